@@ -1,0 +1,1 @@
+"""Engine core, model runner and the Triton Python-backend glue."""

@@ -1,0 +1,1 @@
+"""Llama-family model definitions written against an explicit AttentionMetadata."""

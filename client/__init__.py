@@ -1,0 +1,1 @@
+"""Client side: the pagedserve CLI, the launcher, the OpenAI-compatible shim."""

@@ -1,0 +1,1 @@
+"""Shared fixtures: tiny random-weight models the tests make, and free loopback ports."""
