@@ -1,1 +1,58 @@
 """Shared fixtures: tiny random-weight models the tests make, and free loopback ports."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from pagedserve.backend.testing import make_tiny_model
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with grouped-query attention (4 query heads, 2 KV heads)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2 with QKV bias."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Mistral (no sliding window), saved as a sharded checkpoint with an index file."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mistral"), "mistral", seed=2, max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama whose lm_head is tied to the input embeddings."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-tied"), "llama", tie_word_embeddings=True, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with llama3 rope scaling whose original context (64) is shorter than the test prompts."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama3-rope"), "llama", rope_scaling=LLAMA3_ROPE_SCALING, seed=4
+    )
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

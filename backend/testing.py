@@ -1,0 +1,157 @@
+"""Tiny random-weight Llama-family models with a real byte-level BPE tokenizer, for tests and benches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+END_OF_TEXT = "<|endoftext|>"
+SPECIAL_TOKENS = [END_OF_TEXT, BOS_TOKEN, EOS_TOKEN]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Mixed prose, code, digits and non-ASCII so the merges cover common shapes; bytes cover the rest.
+_TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. The capital of France is Paris.
+Once upon a time there was a small model that learned to count: one, two, three, four, five.
+def add(a, b):
+    return a + b
+Numbers 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 and symbols ! ? , . ; : ( ) [ ] { } < > = + - * /
+Hello world! Hello there. How are you today? I am fine, thank you very much.
+Paged attention stores keys and values in fixed-size blocks; a block table maps positions to blocks.
+Café, naïve, résumé, München, Zürich,日本語, 中文, 한국어, emoji 🙂 and ✓ marks.
+user assistant system: answer the question in one line please.
+"""
+
+_VOCAB_SIZE = 384
+
+_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def build_tokenizer() -> Any:
+    """Train the deterministic tiny byte-level BPE tokenizer as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TRAINING_TEXT.splitlines() * 4, trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=END_OF_TEXT,
+        unk_token=None,
+    )
+    hf.chat_template = CHATML_TEMPLATE
+    return hf
+
+
+def make_tiny_model(
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict | None = None,
+    num_kv_heads: int = 2,
+    num_heads: int = 4,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    rope_theta: float = 10000.0,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+) -> Path:
+    """Save a tiny random-weight `arch` model (safetensors) plus tokenizer and generation config to `path`.
+
+    `rope_scaling` takes the config.json form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
+    `max_shard_size` (e.g. "20KB") writes a sharded checkpoint with an index file.
+    """
+    import torch
+    import transformers
+
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"arch must be one of {sorted(_ARCHITECTURES)}, got {arch!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(path)
+    _ensure_chat_template_in_config(path)
+
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    eot_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
+    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
+    config_cls_name, model_cls_name = _ARCHITECTURES[arch]
+    extra: dict[str, Any] = {}
+    if arch == "llama":
+        extra["attention_bias"] = False
+    if arch == "mistral":
+        extra["sliding_window"] = None
+    if arch == "qwen2":
+        extra["use_sliding_window"] = False
+    config = getattr(transformers, config_cls_name)(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope_parameters,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eot_id,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls_name)(config)
+    # A wider init than the default 0.02 keeps greedy argmax margins large, so fp32 parity is stable.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif param.dim() > 1:
+                param.normal_(0.0, 0.2 if "embed" in name or "lm_head" in name else 0.1)
+    model.to(getattr(torch, dtype))
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=[eos_id, eot_id], pad_token_id=eot_id
+    )
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def _ensure_chat_template_in_config(path: Path) -> None:
+    """Put the chat template into tokenizer_config.json too, where older readers look for it."""
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = CHATML_TEMPLATE
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
