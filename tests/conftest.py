@@ -6,7 +6,6 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from pagedserve.backend.testing import make_tiny_model
 
 LLAMA3_ROPE_SCALING = {
