@@ -1,0 +1,125 @@
+"""The one kernel dispatcher: Triton kernels on CUDA tensors, the torch reference elsewhere.
+
+`PAGEDSERVE_KERNELS=triton|torch|auto` (default auto) forces a side; Triton on CPU tensors works only
+under `TRITON_INTERPRET=1`. The Triton modules are imported on first use, so CPU hosts need no triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+from .rope_cache import compute_cos_sin_cache
+
+__all__ = [
+    "compute_cos_sin_cache",
+    "copy_blocks",
+    "kernel_backend",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]
+
+_MODES = ("auto", "triton", "torch")
+_triton_available: bool | None = None
+
+
+def _has_triton() -> bool:
+    global _triton_available
+    if _triton_available is None:
+        _triton_available = importlib.util.find_spec("triton") is not None
+    return _triton_available
+
+
+def kernel_backend(tensor: torch.Tensor) -> str:
+    """Which implementation serves this tensor: 'triton' or 'torch'."""
+    mode = os.environ.get("PAGEDSERVE_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"PAGEDSERVE_KERNELS must be one of {', '.join(_MODES)}; got {mode!r}")
+    if mode == "torch":
+        return "torch"
+    if mode == "triton":
+        if not _has_triton():
+            raise RuntimeError("PAGEDSERVE_KERNELS=triton but the triton package is not installed")
+        return "triton"
+    return "triton" if tensor.is_cuda and _has_triton() else "torch"
+
+
+def _impl(name: str, tensor: torch.Tensor) -> ModuleType:
+    """The module holding `name` for this tensor's backend."""
+    if kernel_backend(tensor) == "torch":
+        return reference
+    return importlib.import_module(f".{name}", __package__)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; -1 skipped
+) -> None:
+    """Write new K/V into their cache slots."""
+    _impl("cache_triton", key).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Causal attention over the paged cache; query i of sequence s sits at seq_lens[s] - q_len_s + i."""
+    return _impl("attention_triton", query).paged_attention(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+        max_seqlen_q, max_seqlen_k, out,
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding; returns new (query, key) tensors."""
+    return _impl("elementwise_triton", query).rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm; with residual returns (norm(x + residual), x + residual)."""
+    return _impl("elementwise_triton", x).rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """SiLU(gate) * up over the two halves of the last dimension."""
+    return _impl("elementwise_triton", x).silu_and_mul(x)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: list[tuple[int, int]],
+) -> None:
+    """Copy whole blocks (src, dst) in every layer's caches, for copy-on-write."""
+    if not block_mapping:
+        return
+    _impl("cache_triton", key_caches[0]).copy_blocks(key_caches, value_caches, block_mapping)

@@ -1,0 +1,155 @@
+"""Torch references of every kernel; batched over the whole step, they are also the engine's CPU path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> None:
+    """Write each token's K/V into its slot of the paged cache; slot -1 is skipped."""
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    flat_k = key_cache.view(num_slots, *key_cache.shape[2:])
+    flat_v = value_cache.view(num_slots, *value_cache.shape[2:])
+    keep = slot_mapping >= 0
+    # Padding slots (-1) are rare; avoid the boolean-index host sync when there are none.
+    if bool(keep.all()):
+        slots, k, v = slot_mapping, key, value
+    else:
+        slots, k, v = slot_mapping[keep], key[keep], value[keep]
+    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
+
+
+def _token_coordinates(cu_seqlens_q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each flat query token: its sequence index and its index inside that sequence's chunk."""
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    seq_idx = torch.repeat_interleave(
+        torch.arange(q_lens.numel(), device=q_lens.device), q_lens, output_size=num_tokens
+    )
+    pos_in_chunk = torch.arange(num_tokens, device=q_lens.device) - cu_seqlens_q[seq_idx].long()
+    return seq_idx, pos_in_chunk
+
+
+def _gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
+) -> torch.Tensor:  # -> [S, Hkv, num_blocks * block_size, D]
+    """One gather of every sequence's first num_blocks blocks, heads moved before positions."""
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [S, nb, BS, Hkv, D]
+    s, nb, bs, h, d = blocks.shape
+    return blocks.view(s, nb * bs, h, d).transpose(1, 2)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32, context length including this step's tokens
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its paged K/V, batched over all sequences."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = seq_lens.numel()
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
+    k = _gather_kv(key_cache, block_tables, num_blocks).to(query.dtype)  # [S, Hkv, Lk, D]
+    v = _gather_kv(value_cache, block_tables, num_blocks).to(query.dtype)
+    key_pos = torch.arange(k.shape[2], device=query.device)
+    seq_lens = seq_lens.long()
+
+    if num_tokens == num_seqs and max_seqlen_q == 1:
+        # Decode-only step: one query per sequence, no padding and no causal structure beyond the length.
+        q = query.view(num_seqs, num_kv_heads, group, head_dim)
+        mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, Lk]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        result = o.reshape(num_tokens, num_q_heads, head_dim)
+    else:
+        seq_idx, pos_in_chunk = _token_coordinates(cu_seqlens_q.long(), num_tokens)
+        q_pad = query.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim)
+        q_pad[seq_idx, pos_in_chunk] = query
+        # Rows ordered (query position, group member) so one mask row serves the whole GQA group.
+        q = (
+            q_pad.view(num_seqs, max_seqlen_q, num_kv_heads, group, head_dim)
+            .permute(0, 2, 1, 3, 4)
+            .reshape(num_seqs, num_kv_heads, max_seqlen_q * group, head_dim)
+        )
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        chunk = torch.arange(max_seqlen_q, device=query.device)
+        # Padded query rows still see key 0, so no row is fully masked (no NaN); they are dropped below.
+        q_pos = (seq_lens - q_lens)[:, None] + chunk[None, :]  # [S, Lq]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
+        mask = mask[:, None, :, None, :].expand(-1, 1, -1, group, -1)
+        mask = mask.reshape(num_seqs, 1, max_seqlen_q * group, k.shape[2])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = o.view(num_seqs, num_kv_heads, max_seqlen_q, group, head_dim).permute(0, 2, 1, 3, 4)
+        result = o[seq_idx, pos_in_chunk].reshape(num_tokens, num_q_heads, head_dim)
+
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] rows [cos(D/2) | sin(D/2)]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of query and key (new tensors), as transformers' Llama applies it."""
+    cos, sin = cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(query), rotate(key)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm computed in fp32 like transformers; with residual, returns (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2I] -> [T, I]
+    """SiLU of the first half (gate) times the second half (up)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, Hkv, D]
+    value_caches: list[torch.Tensor],
+    block_mapping: list[tuple[int, int]],  # (src, dst) block ids
+) -> None:
+    """Copy whole blocks src -> dst in every layer's K and V cache (copy-on-write)."""
+    if not block_mapping:
+        return
+    device = key_caches[0].device
+    src = torch.tensor([s for s, _ in block_mapping], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in block_mapping], dtype=torch.long, device=device)
+    for cache in (*key_caches, *value_caches):
+        cache.index_copy_(0, dst, cache.index_select(0, src))
