@@ -1,0 +1,92 @@
+"""Validated configuration dataclasses for the cache, the scheduler and the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import InvalidRequestError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_BLOCK_SIZE = 256
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise InvalidRequestError unless `value` is an int (not bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__}", name)
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequestError(f"{name} must be {bound}, got {value}", name)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache layout; the number of blocks comes from a memory budget unless fixed."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(
+                f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {self.block_size}",
+                "block_size",
+            )
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must be in (0, 1], got {util!r}", "gpu_memory_utilization"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidRequestError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}",
+                "enable_prefix_caching",
+            )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Per-step limits: sequences, tokens, context length and the waiting queue's depth."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_num_waiting: int = 4096
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("max_num_waiting", self.max_num_waiting, 1)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Which model to load, in which dtype, on which device."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidRequestError("model must be a non-empty string", "model")
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}", "dtype")
+        device = self.device
+        if not isinstance(device, str) or not (
+            device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+        ):
+            raise InvalidRequestError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}", "device"
+            )
+        _check_int("seed", self.seed, 0, 2**63 - 1)

@@ -1,0 +1,19 @@
+"""Errors that cross module boundaries; each maps to one client-visible status."""
+
+from __future__ import annotations
+
+
+class PagedServeError(Exception):
+    """Base class of every error pagedserve raises on purpose."""
+
+
+class InvalidRequestError(PagedServeError, ValueError):
+    """Bad user input (INVALID_ARG / HTTP 400); `field` names the offending field."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class ServerBusyError(PagedServeError):
+    """The waiting queue is full (UNAVAILABLE / HTTP 503); the client may retry later."""

@@ -1,0 +1,159 @@
+"""User-facing sampling parameters with vLLM's names, validated field by field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import InvalidRequestError
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SEED = 2**63 - 1
+
+
+def _fail(name: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{name} {message}", name)
+
+
+def _int(name: str, value: Any, low: int, high: int | None = None, optional: bool = False) -> None:
+    """Check an int (bool is not an int) in [low, high]; None passes when optional."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, f"must be an integer, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise _fail(name, f"must be {bound}, got {value}")
+
+
+def _number(name: str, value: Any) -> float:
+    """Check a finite real number (int or float, never bool or str) and return it as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(name, f"must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise _fail(name, f"must be finite, got {value}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _fail(name, f"must be a boolean, got {type(value).__name__}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; `__post_init__` refuses bad values naming the field."""
+
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_probabilities()
+        self._check_lengths()
+        self._check_stops()
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _bool(name, getattr(self, name))
+        _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
+        _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
+
+    def _check_counts(self) -> None:
+        _int("n", self.n, 1, MAX_N)
+        _int("beam_width", self.beam_width, 1, MAX_N)
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise _fail("n", f"must be <= beam_width ({self.beam_width}) with beam search, got {self.n}")
+        self.length_penalty = _number("length_penalty", self.length_penalty)
+        _int("seed", self.seed, 0, MAX_SEED, optional=True)
+
+    def _check_probabilities(self) -> None:
+        self.temperature = _number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise _fail("temperature", f"must be >= 0, got {self.temperature}")
+        _int("top_k", self.top_k, -1)
+        self.top_p = _number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        self.min_p = _number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise _fail(name, f"must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+
+    def _check_lengths(self) -> None:
+        _int("max_tokens", self.max_tokens, 1, optional=True)
+        _int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+    def _check_stops(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)):
+            raise _fail("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
+        self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise _fail("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise _fail("stop", f"entries must be strings of 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise _fail("stop_token_ids", f"must be a list of integers, got {type(self.stop_token_ids).__name__}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        for tok in self.stop_token_ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise _fail("stop_token_ids", f"entries must be integers >= 0, got {tok!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0)."""
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SamplingParams:
+        """Build from a JSON object, refusing a non-dict, unknown keys and wrong types by name."""
+        if not isinstance(d, dict):
+            raise InvalidRequestError(
+                f"sampling_parameters must be a JSON object, got {type(d).__name__}", "sampling_parameters"
+            )
+        known = _FIELD_NAMES
+        for key in d:
+            if key not in known:
+                raise InvalidRequestError(
+                    f"unknown sampling parameter {key!r}; allowed: {', '.join(sorted(known))}", str(key)
+                )
+        return cls(**d)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

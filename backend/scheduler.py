@@ -1,0 +1,265 @@
+"""Iteration-level scheduler: one token budget per step, running requests first, then waiting FCFS."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import CacheConfig, SchedulerConfig
+from .errors import InvalidRequestError, ServerBusyError
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens all_token_ids[c : c+k] at positions c .. c+k-1."""
+
+    request: Request
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    new_block_ids: list[int]
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one forward, as plain data.
+
+    `block_ids` lists are the live block tables: read them before the next schedule(), never mutate.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+
+
+class Scheduler:
+    """Decides which requests run each step and owns their KV blocks through the BlockManager.
+
+    Not thread-safe; call schedule() and update_from_output() alternately from one thread.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        # Finished (aborted) requests are swept lazily from both queues, so removal is O(1).
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._num_waiting = 0
+        self._finished_ids: list[str] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks (paused ones included)."""
+        return len(self.requests) - self._num_waiting
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission, preempted ones included."""
+        return self._num_waiting
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests; 0.0 when idle."""
+        return self.block_manager.usage()
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuse one that can never fit or arrives when the queue is full."""
+        cfg = self.config
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", "request_id")
+        if request.num_prompt_tokens >= cfg.max_model_len:
+            raise InvalidRequestError(
+                f"prompt must be shorter than max_model_len ({cfg.max_model_len}) tokens, got "
+                f"{request.num_prompt_tokens}",
+                "prompt_token_ids",
+            )
+        if request.max_tokens is None:
+            request.max_tokens = cfg.max_model_len - request.num_prompt_tokens
+        total = request.num_prompt_tokens + request.max_tokens
+        if total > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) must be "
+                f"<= max_model_len ({cfg.max_model_len}), got {total}",
+                "max_tokens",
+            )
+        num_blocks_needed = -(-total // self.block_size)
+        if num_blocks_needed > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens ({total} tokens) needs {num_blocks_needed} KV blocks, more than the "
+                f"whole cache ({self.block_manager.num_blocks} blocks of {self.block_size} tokens)",
+                "max_tokens",
+            )
+        if self._num_waiting >= cfg.max_num_waiting:
+            raise ServerBusyError(f"server busy: {self._num_waiting} requests already waiting")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        self._num_waiting += 1
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests (decode or next prefill chunk), then admit waiting ones."""
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        out.block_copies = self.block_manager.take_block_copies()
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Record the step's results: computed tokens advance, sampled tokens append, full blocks cache."""
+        bm = self.block_manager
+        for sched in out.scheduled:
+            request = sched.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += sched.num_scheduled_tokens
+            if sched.sample:
+                token = sampled.get(request.request_id)
+                if token is not None:
+                    request.append_output_token_id(token)
+            bm.cache_full_blocks(request)
+
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Start `child` as a running copy of the parent that shares all its KV blocks.
+
+        The child takes the parent's tokens whose KV is computed; the caller appends its next token.
+        """
+        parent = self.requests.get(parent_id)
+        if parent is None or parent.status != RequestStatus.RUNNING:
+            raise ValueError(f"fork parent {parent_id!r} must be a running request")
+        if child.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {child.request_id!r} is already in use", "request_id")
+        computed = parent.num_computed_tokens
+        child.prompt_token_ids = list(parent.prompt_token_ids)
+        child.num_prompt_tokens = parent.num_prompt_tokens
+        child.all_token_ids = parent.all_token_ids[: max(computed, parent.num_prompt_tokens)]
+        child.output_token_ids = child.all_token_ids[parent.num_prompt_tokens :]
+        child.num_computed_tokens = computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        if child.max_tokens is None:
+            child.max_tokens = parent.max_tokens
+        child.status = RequestStatus.RUNNING
+        self.block_manager.fork(parent, child)
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests in any state with a finished status and free their blocks."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished state, got {status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self._num_waiting -= 1
+            request.status = status
+            self.block_manager.free(request)
+            self._finished_ids.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in any state; unknown or finished ids are ignored."""
+        self.finish_requests((request_id,), RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block hash (e.g. after weights change)."""
+        self.block_manager.reset_prefix_cache()
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running = self.running
+        bm = self.block_manager
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.paused or num_new <= 0:
+                index += 1
+                continue
+            new_block_ids = bm.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+                new_block_ids = bm.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            self._add_scheduled(out, request, num_new, new_block_ids)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = waiting[0]
+            if request.is_finished:
+                waiting.popleft()
+                continue
+            hits, num_hit_tokens = bm.get_computed_blocks(request)
+            # A paused request recomputes its history but must not sample until it is resumed.
+            target = request.num_tokens - 1 if request.paused else request.num_tokens
+            num_new = min(max(target - num_hit_tokens, 0), budget)
+            new_block_ids = bm.allocate_slots(request, num_new, hits, num_hit_tokens)
+            if new_block_ids is None:
+                break
+            waiting.popleft()
+            self._num_waiting -= 1
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+            self.running.append(request)
+            if num_new > 0:
+                self._add_scheduled(out, request, num_new, new_block_ids)
+                budget -= num_new
+        return budget
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, new_block_ids: list[int]) -> None:
+        computed = request.num_computed_tokens
+        out.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_scheduled_tokens=num_new,
+                num_computed_tokens=computed,
+                block_ids=self.block_manager.block_tables[request.request_id],
+                new_block_ids=new_block_ids,
+                sample=computed + num_new == request.num_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: free everything, keep the tokens, rejoin at the queue front."""
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self._num_waiting += 1
+        self.num_preemptions += 1
+        out.preempted_ids.append(request.request_id)
