@@ -1,0 +1,188 @@
+"""A small async client for the decoupled `llm` model over Triton's gRPC streaming API.
+
+The OpenAI shim, the `generate`/`chat` commands and `pagedserve bench` all talk to `llm` through it.
+Closing a `generate()` iterator early cancels the gRPC stream, which cancels the request on the server
+(the model sees `response_sender.is_cancelled()` and frees the request's KV blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+LLM_MODEL = "llm"
+
+
+class TritonRequestError(RuntimeError):
+    """The server ended a request with an error response; `message` is the server's text."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class LLMResponse:
+    """One response of the `llm` model, one list element per returned sequence (index i = completion i).
+
+    Streaming: `text` holds the new text of this step; otherwise the whole generated text.
+    """
+
+    text: list[str]
+    finish_reason: list[str | None]
+    num_input_tokens: int | None = None
+    num_output_tokens: list[int] | None = None
+    logprobs: list[list[dict]] | None = None
+    cumulative_logprob: list[float] | None = None
+    output_ids: list[int] | None = None
+    final: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """True once every sequence has a finish reason."""
+        return bool(self.finish_reason) and all(r is not None for r in self.finish_reason)
+
+
+def build_inputs(
+    prompt: str | None,
+    input_ids: list[int] | None,
+    sampling_parameters: dict,
+    stream: bool,
+    return_logprobs: bool,
+) -> list[grpcclient.InferInput]:
+    """The input tensors of one `llm` request, exactly as docs/interfaces.md names them."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("exactly one of prompt and input_ids must be given")
+    tensors: list[tuple[str, np.ndarray, str]] = []
+    if prompt is not None:
+        tensors.append(("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"))
+    else:
+        tensors.append(("input_ids", np.asarray(input_ids, dtype=np.int32), "INT32"))
+    tensors.append(("stream", np.array([stream], dtype=bool), "BOOL"))
+    sampling_json = json.dumps(sampling_parameters).encode("utf-8")
+    tensors.append(("sampling_parameters", np.array([sampling_json], dtype=np.object_), "BYTES"))
+    # The prompt is never repeated in the output: callers that echo it prepend the text themselves.
+    flags = {
+        "exclude_input_in_output": True,
+        "return_finish_reason": True,
+        "return_num_input_tokens": True,
+        "return_num_output_tokens": True,
+        "return_logprobs": return_logprobs,
+        "return_cumulative_logprob": return_logprobs,
+    }
+    for name, value in flags.items():
+        tensors.append((name, np.array([value], dtype=bool), "BOOL"))
+    inputs = []
+    for name, array, dtype in tensors:
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def parse_result(result: grpcclient.InferResult) -> LLMResponse | None:
+    """Turn one streamed result into an LLMResponse; None for the empty final response."""
+    final = bool(result.get_response().parameters["triton_final_response"].bool_param)
+    text = result.as_numpy("text_output")
+    if text is None:
+        return None if final else LLMResponse(text=[], finish_reason=[], final=final)
+    reasons = result.as_numpy("finish_reason")
+    logprobs = result.as_numpy("logprobs")
+    cumulative = result.as_numpy("cumulative_logprob")
+    num_input = result.as_numpy("num_input_tokens")
+    num_output = result.as_numpy("num_output_tokens")
+    output_ids = result.as_numpy("output_ids")
+    return LLMResponse(
+        text=[_decode(t) for t in text.reshape(-1)],
+        finish_reason=[_decode(r) or None for r in reasons.reshape(-1)] if reasons is not None else [None] * text.size,
+        num_input_tokens=int(num_input.reshape(-1)[0]) if num_input is not None else None,
+        num_output_tokens=[int(x) for x in num_output.reshape(-1)] if num_output is not None else None,
+        logprobs=[json.loads(_decode(x) or "[]") for x in logprobs.reshape(-1)] if logprobs is not None else None,
+        cumulative_logprob=[float(x) for x in cumulative.reshape(-1)] if cumulative is not None else None,
+        output_ids=[int(x) for x in output_ids.reshape(-1)] if output_ids is not None else None,
+        final=final,
+    )
+
+
+def _decode(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class TritonLLMClient:
+    """Async client of one tritonserver's `llm` model (gRPC, decoupled streaming)."""
+
+    def __init__(self, url: str, model_name: str = LLM_MODEL):
+        self.url = url
+        self.model_name = model_name
+        self._client = grpcclient.InferenceServerClient(url=url)
+
+    async def close(self) -> None:
+        """Close the gRPC channel."""
+        await self._client.close()
+
+    async def ready(self) -> bool:
+        """True when the server and the `llm` model are ready."""
+        try:
+            return await self._client.is_server_ready() and await self._client.is_model_ready(self.model_name)
+        except InferenceServerException:
+            return False
+
+    async def model_parameters(self) -> dict[str, str]:
+        """The `parameters` of the model's config.pbtxt (e.g. `model_path`), as strings."""
+        config = await self._client.get_model_config(self.model_name, as_json=True)
+        params = config.get("config", {}).get("parameters", {})
+        return {key: value.get("string_value", "") for key, value in params.items()}
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        sampling_parameters: dict | None = None,
+        stream: bool = True,
+        return_logprobs: bool = False,
+        request_id: str = "",
+    ) -> AsyncIterator[LLMResponse]:
+        """Send one request and yield its responses until the final one.
+
+        Raises TritonRequestError when the server answers with an error. Leaving the loop early
+        (break, exception, task cancellation) cancels the request on the server.
+        """
+        inputs = build_inputs(prompt, input_ids, sampling_parameters or {}, stream, return_logprobs)
+
+        async def requests():
+            yield {
+                "model_name": self.model_name,
+                "inputs": inputs,
+                "request_id": request_id,
+                "parameters": {"triton_enable_empty_final_response": True},
+            }
+
+        call = self._client.stream_infer(requests())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True
+                    raise TritonRequestError(_strip_prefix(str(error)))
+                response = parse_result(result)
+                if response is not None and response.text:
+                    yield response
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                call.cancel()
+
+
+def _strip_prefix(message: str) -> str:
+    """InferenceServerException's str() may start with a '[StatusCode...]' tag; users want the text."""
+    if message.startswith("[") and "] " in message:
+        return message.split("] ", 1)[1]
+    return message
