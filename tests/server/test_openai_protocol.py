@@ -1,0 +1,305 @@
+"""The OpenAI shim's pure parts: request translation, chat templates, SSE framing (no server needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from pagedserve.client.openai_server import (
+    SSE_DONE,
+    APIError,
+    ChatTemplate,
+    Generation,
+    GenerationRequest,
+    OpenAIShim,
+    ShimSettings,
+    parse_chat_request,
+    parse_completion_request,
+    sse_event,
+)
+from pagedserve.client.triton_client import LLMResponse
+
+
+def _completion(**fields) -> dict:
+    return {"model": "m", "prompt": "Hello", **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}
+
+
+def _param_of(parse, body: dict) -> str | None:
+    with pytest.raises(APIError) as info:
+        parse(body)
+    assert info.value.status == 400
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+    return info.value.param
+
+
+def test_completion_defaults_to_openai_max_tokens_of_16():
+    request = parse_completion_request(_completion())
+    assert request.prompts == ["Hello"]
+    assert request.sampling == {"max_tokens": 16}
+    assert not request.stream and request.logprobs is None
+
+
+def test_completion_sampling_fields_become_sampling_parameters():
+    request = parse_completion_request(
+        _completion(temperature=0, top_p=0.5, n=2, stop="\n", seed=7, max_tokens=5, logprobs=3,
+                    presence_penalty=0.5, frequency_penalty=-0.5, stream=True,
+                    stream_options={"include_usage": True})
+    )
+    assert request.sampling == {
+        "temperature": 0, "top_p": 0.5, "n": 2, "stop": ["\n"], "seed": 7, "max_tokens": 5, "logprobs": 3,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5,
+    }
+    assert request.stream and request.include_usage and request.logprobs == 3 and request.n == 2
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ("a", ["a"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
+def test_completion_accepts_every_openai_prompt_form(prompt, expected):
+    assert parse_completion_request(_completion(prompt=prompt)).prompts == expected
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [1, "a"], 5, {"text": "a"}, [True]])
+def test_completion_refuses_malformed_prompt_naming_it(prompt):
+    assert _param_of(parse_completion_request, _completion(prompt=prompt)) == "prompt"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": 1000}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"suffix": "end"}, "suffix"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"continuous": True}}, "stream_options"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"model": 3}, "model"),
+    ],
+)
+def test_completion_bad_fields_are_named(fields, param):
+    assert _param_of(parse_completion_request, _completion(**fields)) == param
+
+
+def test_completion_without_model_or_prompt_names_the_missing_field():
+    assert _param_of(parse_completion_request, {"prompt": "x"}) == "model"
+    assert _param_of(parse_completion_request, {"model": "m"}) == "prompt"
+
+
+def test_chat_max_completion_tokens_sets_the_limit_and_default_is_unbounded():
+    assert parse_chat_request(_chat()).sampling == {"max_tokens": None}
+    assert parse_chat_request(_chat(max_completion_tokens=7)).sampling == {"max_tokens": 7}
+    assert parse_chat_request(_chat(max_tokens=9)).sampling == {"max_tokens": 9}
+
+
+def test_chat_logprobs_and_top_logprobs_map_to_engine_logprobs():
+    assert parse_chat_request(_chat(logprobs=True)).sampling["logprobs"] == 0
+    request = parse_chat_request(_chat(logprobs=True, top_logprobs=4))
+    assert request.sampling["logprobs"] == 4 and request.logprobs == 4
+    assert "logprobs" not in parse_chat_request(_chat(logprobs=False)).sampling
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
+        ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0]"),
+        ({"echo": True}, "echo"),
+    ],
+)
+def test_chat_bad_fields_are_named(fields, param):
+    assert _param_of(parse_chat_request, _chat(**fields)) == param
+
+
+def test_chat_messages_flatten_text_parts_and_map_developer_to_system():
+    request = parse_chat_request(
+        _chat(messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+        ])
+    )
+    assert request.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+    ]
+
+
+def test_chat_template_renders_like_transformers(tmp_path):
+    from pagedserve.backend.testing import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Café? 🙂"}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplate.from_model_dir(tmp_path).render(messages) == expected
+
+
+def test_chat_template_from_tokenizer_config_json(tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{{ eos_token }}"
+    config = {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    rendered = ChatTemplate.from_model_dir(tmp_path).render([{"role": "user", "content": "hi"}])
+    assert rendered == "<s>[user]hi</s>"
+
+
+def test_chat_template_is_sandboxed_and_errors_name_messages():
+    mutating = ChatTemplate("{{ messages.append({'role': 'x'}) }}")
+    with pytest.raises(APIError) as info:
+        mutating.render([{"role": "user", "content": "hi"}])
+    assert info.value.param == "messages"
+    raising = ChatTemplate("{{ raise_exception('only user turns') }}")
+    with pytest.raises(APIError, match="only user turns"):
+        raising.render([{"role": "user", "content": "hi"}])
+
+
+def test_model_folder_without_template_is_reported(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError):
+        ChatTemplate.from_model_dir(tmp_path)
+
+
+def test_sse_event_is_one_data_line_and_a_blank_line():
+    assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+
+
+# ---- Generation: llm responses into OpenAI bodies, with a scripted response stream
+
+
+def _responses(*items: tuple[int, LLMResponse]):
+    async def stream():
+        for item in items:
+            yield item
+
+    return stream()
+
+
+def _generation(request: GenerationRequest, chat: bool) -> Generation:
+    return Generation(OpenAIShim(ShimSettings()), request, chat)
+
+
+def _events(generation: Generation, stream) -> list[dict | str]:
+    async def collect():
+        return [event async for event in generation.chunks(stream)]
+
+    events = asyncio.run(collect())
+    assert all(e.startswith("data: ") and e.endswith("\n\n") and "\n" not in e[:-2] for e in events)
+    return [e[6:-2] if e == SSE_DONE else json.loads(e[6:-2]) for e in events]
+
+
+def test_streamed_completion_chunks_carry_deltas_then_usage_then_done():
+    request = parse_completion_request(
+        _completion(n=2, stream=True, stream_options={"include_usage": True})
+    )
+    stream = _responses(
+        (0, LLMResponse(["He", "Wo"], [None, None], 3, [1, 1])),
+        (0, LLMResponse(["llo", ""], [None, "length"], 3, [2, 1])),
+        (0, LLMResponse(["", ""], ["stop", None], 3, [2, 1])),
+    )
+    events = _events(_generation(request, chat=False), stream)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    chunks = events[:-2]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    text = {0: "", 1: ""}
+    finish = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        text[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finish[choice["index"]] = choice["finish_reason"]
+    assert text == {0: "Hello", 1: "Wo"} and finish == {0: "stop", 1: "length"}
+
+
+def test_streamed_chat_starts_with_role_and_ends_with_empty_delta_finish():
+    request = parse_chat_request(_chat(stream=True))
+    request.prompts = ["<prompt>"]
+    stream = _responses((0, LLMResponse(["Hi"], [None], 2, [1])), (0, LLMResponse([" you"], ["stop"], 2, [2])))
+    events = _events(_generation(request, chat=True), stream)
+    assert events[-1] == "[DONE]"
+    deltas = [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events[:-1]]
+    assert deltas == [
+        ({"role": "assistant", "content": ""}, None),
+        ({"content": "Hi"}, None),
+        ({"content": " you"}, None),
+        ({}, "stop"),
+    ]
+    assert all(e["object"] == "chat.completion.chunk" and "usage" not in e for e in events[:-1])
+
+
+def test_non_streamed_completion_echoes_prompt_and_sums_usage_over_prompts():
+    request = parse_completion_request(_completion(prompt=["A", "B"], echo=True))
+    stream = _responses(
+        (1, LLMResponse([" b!"], ["length"], 1, [2])),
+        (0, LLMResponse([" a"], ["stop"], 1, [1])),
+    )
+    body = asyncio.run(_generation(request, chat=False).run(stream))
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "A a", "stop"), (1, "B b!", "length"),
+    ]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+
+
+def test_chat_logprobs_have_openai_shape():
+    request = parse_chat_request(_chat(logprobs=True, top_logprobs=1))
+    request.prompts = ["p"]
+    entry = {"token_id": 5, "token": "é", "logprob": -0.5,
+             "top_logprobs": [{"token_id": 5, "token": "é", "logprob": -0.5}, {"token_id": 6, "token": "a", "logprob": -1.0}]}
+    stream = _responses((0, LLMResponse(["é"], ["length"], 1, [1], logprobs=[[entry]])))
+    body = asyncio.run(_generation(request, chat=True).run(stream))
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "é", "refusal": None}
+    assert choice["logprobs"]["content"] == [
+        {"token": "é", "logprob": -0.5, "bytes": [195, 169], "top_logprobs": [{"token": "é", "logprob": -0.5, "bytes": [195, 169]}]}
+    ]
+
+
+def test_completion_logprobs_have_legacy_shape_with_text_offsets():
+    request = parse_completion_request(_completion(logprobs=1))
+    entries = [{"token_id": 1, "token": "ab", "logprob": -0.1, "top_logprobs": [{"token_id": 1, "token": "ab", "logprob": -0.1}]},
+               {"token_id": 2, "token": "c", "logprob": -0.2, "top_logprobs": [{"token_id": 2, "token": "c", "logprob": -0.2}]}]
+    stream = _responses((0, LLMResponse(["abc"], ["length"], 1, [2], logprobs=[entries])))
+    body = asyncio.run(_generation(request, chat=False).run(stream))
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["ab", "c"], "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"ab": -0.1}, {"c": -0.2}], "text_offset": [0, 2],
+    }
