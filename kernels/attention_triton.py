@@ -1,0 +1,345 @@
+"""Paged attention in Triton: one kernel for prefill chunks and decodes, plus a split-K decode variant.
+
+Layouts follow kernels/ops.py. A program owns one KV head and a tile of BLOCK_M rows; a row is one
+(query token, query head of that KV head's group), so a K/V tile loaded once serves the whole GQA group.
+Every address that involves a block id or a token index is computed in int64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(
+    cu_seqlens_q_ptr,  # [S + 1] int32
+    num_seqs,
+    pid,
+    BLOCK_Q: tl.constexpr,
+):
+    """Largest s whose first query tile index (cu_seqlens_q[s] // BLOCK_Q + s) is <= pid."""
+    lo = pid * 0
+    hi = pid * 0 + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first_tile <= pid, mid + 1, lo)
+        hi = tl.where(first_tile <= pid, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _attend_range(
+    q,  # [BLOCK_M, HEAD_PAD] query tile, already in DOT_DTYPE
+    acc,  # [BLOCK_M, HEAD_PAD] fp32 running numerator
+    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
+    l_i,  # [BLOCK_M] fp32 running denominator
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_table_ptr,  # [max_blocks] int32, this sequence's row
+    kv_head,
+    q_pos,  # [BLOCK_M] absolute position of each row's query token
+    key_start,
+    key_end,  # keys in [key_start, key_end) are visited
+    seq_len,
+    qk_scale,  # softmax scale * log2(e)
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # operand dtype of both tl.dot calls
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax accumulation of the keys in [key_start, key_end), causal per row."""
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(key_start, key_end, BLOCK_N):
+        key_pos = start + offs_n  # [BLOCK_N]
+        key_valid = key_pos < key_end
+        block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        in_block = (key_pos % BLOCK_SIZE).to(tl.int64)
+        k_off = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
+        v_off = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
+        kv_mask = key_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len) & key_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [T, Hq, D]
+    q_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [S, max_blocks] int32
+    cu_seqlens_q_ptr,  # [S + 1] int32
+    seq_lens_ptr,  # [S] int32
+    num_seqs,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per tile = BLOCK_Q * GROUP, padded to a power of two
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_N: tl.constexpr,  # keys per inner step
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tiles over all sequences, KV heads); causal attention of one tile over its context."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_tile = pid - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP  # [BLOCK_M] index inside this sequence's chunk
+    q_head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    token = (q_start + q_idx).to(tl.int64)
+    io_mask = row_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+        mask=io_mask, other=0.0,
+    ).to(DOT_DTYPE)
+
+    q_pos = context_len + q_idx
+    last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+    key_end = tl.minimum(context_len + last_q + 1, seq_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        kv_head, q_pos, 0, key_end, seq_len, qk_scale,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+    )
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=io_mask,
+    )
+
+
+@triton.jit
+def _split_decode_kernel(
+    part_acc_ptr,  # [S, Hq, NUM_SPLITS, HEAD_PAD] fp32 unnormalised numerators
+    part_ml_ptr,  # [S, Hq, NUM_SPLITS, 2] fp32 (running max in log2 domain, denominator)
+    q_ptr,  # [S, Hq, D], one decode token per sequence
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [S, max_blocks] int32
+    seq_lens_ptr,  # [S] int32
+    keys_per_split,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # GROUP padded to a power of two >= 16
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (S, Hkv, NUM_SPLITS): one decode token's GQA group over one slice of its context."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    key_start = split * keys_per_split
+    key_end = tl.minimum(key_start + keys_per_split, seq_len)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    row_valid = offs_m < GROUP
+    q_head = kv_head * GROUP + offs_m
+    q_mask = row_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + seq * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
+    ).to(DOT_DTYPE)
+    q_pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
+        kv_head, q_pos, key_start, key_end, seq_len, qk_scale,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+    )
+    row = (seq * (GROUP * tl.num_programs(1)) + q_head) * NUM_SPLITS + split  # [BLOCK_M] int64
+    tl.store(part_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+    tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
+    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    out_ptr,  # [S, Hq, D]
+    part_acc_ptr,  # [S, Hq, NUM_SPLITS, HEAD_PAD] fp32
+    part_ml_ptr,  # [S, Hq, NUM_SPLITS, 2] fp32
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Grid (S, Hq): rescale each split's partial result to the global max and normalise."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_ml_ptr + (row0 + offs_s) * 2)  # [NUM_SPLITS]
+    l_s = tl.load(part_ml_ptr + (row0 + offs_s) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    # Empty splits carry m = -inf and weigh exactly 0; split 0 always holds key 0, so m_max is finite.
+    w = tl.exp2(m - m_max)
+    acc = tl.load(part_acc_ptr + (row0 + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def _dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
+    """The cache dtype, except bf16 under the CPU interpreter, whose bf16 tl.dot is wrong (triton 3.9)."""
+    if cache_dtype == torch.float32 or (cache_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"):
+        return tl.float32
+    return tl.float16 if cache_dtype == torch.float16 else tl.bfloat16
+
+
+def _num_decode_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
+    """Split the context only when (sequence, KV head) programs cannot fill the GPU and contexts are long."""
+    if device.type != "cuda" or max_seqlen_k < 1024:
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    splits = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
+    # Each split should keep at least 256 keys so the reduction stays cheap.
+    return max(1, min(splits, 64, triton.next_power_of_2(max_seqlen_k // 256)))
+
+
+def _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
+    assert query.dim() == 3 and query.stride(-1) == 1, "query must be [T, Hq, D] with unit last stride"
+    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, "caches must be [NB, BS, Hkv, D]"
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1, "caches need unit last stride"
+    assert key_cache.shape[-1] == query.shape[-1], "query and cache head sizes differ"
+    assert query.shape[1] % key_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
+    assert block_tables.dtype == torch.int32 and block_tables.stride(-1) == 1, "block_tables: int32 rows"
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous(), "cu_seqlens_q: int32"
+    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), "seq_lens: int32"
+    assert cu_seqlens_q.numel() == seq_lens.numel() + 1 == block_tables.shape[0] + 1, "batch sizes differ"
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    num_splits: int | None = None,  # decode-only batches: None = heuristic; tests force it
+) -> torch.Tensor:
+    """Launch the unified kernel, or the split-K decode kernels when every sequence decodes one token."""
+    _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = seq_lens.numel()
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(-1) == 1, "out must match query with unit last stride"
+    if num_tokens == 0:
+        return out
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    dot_dtype = _dot_dtype(key_cache.dtype)
+    precision = "ieee" if dot_dtype == tl.float32 else "tf32"
+    qk_scale = scale * _LOG2E
+    kv_strides = (*key_cache.stride()[:3], *value_cache.stride()[:3])
+    decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
+
+    if decode_only and num_splits is None:
+        num_splits = _num_decode_splits(num_seqs, num_kv_heads, max_seqlen_k, query.device)
+    if decode_only and num_splits > 1:
+        num_splits = triton.next_power_of_2(num_splits)
+        block_n = 64 if max_seqlen_k >= 64 else 16
+        keys_per_split = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), block_n) * block_n
+        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_pad, dtype=torch.float32,
+                               device=query.device)
+        part_ml = torch.empty(num_seqs, num_q_heads, num_splits, 2, dtype=torch.float32, device=query.device)
+        _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            part_acc, part_ml, query, key_cache, value_cache, block_tables, seq_lens,
+            keys_per_split, qk_scale, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
+            BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=4, num_stages=2,
+        )
+        _split_reduce_kernel[(num_seqs, num_q_heads)](
+            out, part_acc, part_ml, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, num_warps=4,
+        )
+        return out
+
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    block_n = 64 if max_seqlen_k >= 64 else 16
+    num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads)](
+        out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, num_seqs, qk_scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides, block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
+        num_warps=4 if decode_only else 8, num_stages=2,
+    )
+    return out
