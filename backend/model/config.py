@@ -1,0 +1,120 @@
+"""The architecture fields pagedserve reads from a Hugging Face config.json, normalised across versions."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its features is outside what pagedserve runs."""
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    """Shapes and numerics of a Llama-family decoder."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelArchConfig:
+        """Parse a config.json dict; unsupported architectures and rope types raise UnsupportedModelError."""
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else str(raw.get("model_type", "<missing>"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: silu")
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        rope_theta, rope_scaling = _rope(raw)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(raw.get("attention_bias", False))
+        sliding = raw.get("sliding_window")
+        if is_qwen2 and not raw.get("use_sliding_window", False):
+            sliding = None
+        eos = raw.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            eos_token_ids=_as_ids(eos),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelArchConfig:
+        """Read `path/config.json`."""
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
+        return cls.from_dict(json.loads(config_file.read_text()))
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from transformers 5 `rope_parameters` or 4.x top-level keys."""
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params = dict(params)
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    """An eos id field (int, list or None) as a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

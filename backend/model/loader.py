@@ -1,0 +1,144 @@
+"""Load a Llama-family checkpoint (config.json + safetensors, single or sharded) and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelArchConfig
+from .llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint projections that land in a slice of one of our fused parameters.
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def resolve_dtype(dtype: str, cfg: ModelArchConfig) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype (float32 when it names none)."""
+    if dtype == "auto":
+        dtype = cfg.torch_dtype if cfg.torch_dtype in _DTYPES else "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int
+) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` with every weight read from the safetensors files."""
+    path = Path(path)
+    cfg = ModelArchConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_position)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in _iter_checkpoint(path):
+        if _IGNORED.search(name):
+            continue
+        target, rows = _target(name, cfg)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+        param = params[target]
+        dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+        if dst.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+            )
+        dst.copy_(tensor)
+        loaded.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
+    if cfg.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    _check_complete(model, cfg, loaded)
+    model.init_rope(dtype, device)
+    model.eval()
+    return model
+
+
+def _target(name: str, cfg: ModelArchConfig) -> tuple[str, tuple[int, int] | None]:
+    """Our parameter name for a checkpoint tensor, and the row range it fills in a fused parameter."""
+    name = name.removeprefix("model.")
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[-2] in _FUSED:
+        fused, index = _FUSED[parts[-2]]
+        sizes = _fused_sizes(fused, cfg)
+        start = sum(sizes[:index])
+        return ".".join([*parts[:-2], fused, parts[-1]]), (start, start + sizes[index])
+    return name, None
+
+
+def _fused_sizes(fused: str, cfg: ModelArchConfig) -> list[int]:
+    """Row sizes of the pieces concatenated in a fused parameter."""
+    if fused == "qkv_proj":
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _check_complete(model: LlamaForCausalLM, cfg: ModelArchConfig, loaded: set[str]) -> None:
+    """Every parameter (and every slice of a fused one) must have come from the checkpoint."""
+    missing = []
+    for name, _ in model.named_parameters():
+        fused = name.split(".")[-2] if name.count(".") >= 2 else ""
+        if fused in ("qkv_proj", "gate_up_proj"):
+            sizes = _fused_sizes(fused, cfg)
+            bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
+            missing += [f"{name}[{a}:{b}]" for a, b in bounds if f"{name}[{a}:{b}]" not in loaded]
+        elif name not in loaded:
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in model folder {str(path)!r}")
+    for file in files:
+        with safe_open(str(path / file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's fast tokenizer (tokenizer.json, chat template included), from local files only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_eos_token_ids(path: str | Path, cfg: ModelArchConfig, tokenizer: Any) -> set[int]:
+    """All eos ids: generation_config.json's, config.json's and the tokenizer's own eos token."""
+    ids = set(cfg.eos_token_ids)
+    gen_file = Path(path) / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

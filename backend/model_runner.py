@@ -1,0 +1,215 @@
+"""Turns a SchedulerOutput into one batched forward over the paged KV cache and returns the logits it needs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pagedserve.kernels import ops
+
+from .attention import AttentionMetadata
+from .config import CacheConfig, ModelConfig, SchedulerConfig
+from .model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default budget on the CPU, where free memory says little about what is safe
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Logits of one step: one fp32 row per sampling request, plus prompt rows for prompt_logprobs.
+
+    `prompt_logits[request_id] = (p, logits[k, V])`: row i scores prompt token p + 1 + i.
+    """
+
+    sample_request_ids: list[str]
+    sample_logits: torch.Tensor  # [R, V] fp32
+    prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' is CUDA when available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    """Owns the model and its per-layer KV cache; `execute` runs one scheduled step."""
+
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+    ):
+        self.device = resolve_device(model_config.device)
+        self.arch = ModelArchConfig.from_pretrained(model_config.model)
+        self.dtype = resolve_dtype(model_config.dtype, self.arch)
+        self.block_size = cache_config.block_size
+        if self.arch.sliding_window is not None and scheduler_config.max_model_len > self.arch.sliding_window:
+            raise ValueError(
+                f"max_model_len ({scheduler_config.max_model_len}) exceeds the model's sliding_window "
+                f"({self.arch.sliding_window}); sliding-window attention is not supported"
+            )
+        max_position = max(self.arch.max_position_embeddings, scheduler_config.max_model_len)
+        torch.manual_seed(model_config.seed)
+        self.model: LlamaForCausalLM = load_model(model_config.model, self.dtype, self.device, max_position)
+        self.num_blocks = self._num_blocks(cache_config, scheduler_config)
+        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # Zeroed, not empty: attention reads whole blocks and masks the tail, and 0 * NaN would leak.
+        self.key_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)
+        ]
+        self.value_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)
+        ]
+        self.kv_caches = list(zip(self.key_caches, self.value_caches, strict=True))
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB) on %s in %s",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_bytes / 2**20,
+            self.device,
+            self.dtype,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.arch.num_layers * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * elem
+
+    def _num_blocks(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+        """Blocks that fit the budget: explicit count, explicit bytes, or a share of the device's memory."""
+        if cache_config.num_blocks is not None:
+            return cache_config.num_blocks
+        if cache_config.kv_cache_memory_bytes is not None:
+            budget = cache_config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._cuda_budget(cache_config.gpu_memory_utilization, scheduler_config)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds no block of {self.block_bytes} bytes; "
+                "raise kv_cache_memory_bytes or gpu_memory_utilization"
+            )
+        return int(num_blocks)
+
+    def _cuda_budget(self, utilization: float, scheduler_config: SchedulerConfig) -> int:
+        """utilization * total memory, less what the weights and a full-size profiling step take."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_step(scheduler_config)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory used outside this process's allocator (other processes, CUDA context) also counts.
+        other = total - free - torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return int(total * utilization - peak - max(other, 0))
+
+    def _profile_step(self, scheduler_config: SchedulerConfig) -> None:
+        """One forward of max_num_batched_tokens tokens, so the budget leaves room for activations."""
+        num_tokens = min(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+            for _ in range(self.arch.num_layers)
+        ]
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions,
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            max_seqlen_q=num_tokens,
+            max_seqlen_k=num_tokens,
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros_like(positions), positions, caches, meta)
+            rows = min(scheduler_config.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:rows])
+
+    def execute(self, scheduler_output: Any) -> ModelRunnerOutput:
+        """Apply block copies, run one forward over every scheduled token, return the needed logits."""
+        with torch.inference_mode():
+            ops.copy_blocks(self.key_caches, self.value_caches, scheduler_output.block_copies)
+            batch = self._prepare(scheduler_output.scheduled)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            logits = self.model.compute_logits(hidden[batch.logit_rows])
+        num_sample = len(batch.sample_request_ids)
+        prompt_logits = {rid: (start, logits[a:b]) for rid, (start, a, b) in batch.prompt_row_ranges.items()}
+        return ModelRunnerOutput(batch.sample_request_ids, logits[:num_sample], prompt_logits)
+
+    def _prepare(self, scheduled: list[Any]) -> _Batch:
+        """Flatten the scheduled chunks into input ids, positions and attention metadata."""
+        input_ids: list[int] = []
+        q_lens, ctx_lens, tables = [], [], []
+        sample_ids, sample_rows = [], []
+        prompt_spans: list[tuple[str, int, int, int]] = []  # (request_id, first_pos, first_row, n_rows)
+        offset = 0
+        for item in scheduled:
+            req, start, count = item.request, item.num_computed_tokens, item.num_scheduled_tokens
+            input_ids += req.all_token_ids[start : start + count]
+            q_lens.append(count)
+            ctx_lens.append(start + count)
+            tables.append(item.block_ids)
+            if item.sample:
+                sample_ids.append(req.request_id)
+                sample_rows.append(offset + count - 1)
+            if req.sampling_params.prompt_logprobs is not None:
+                # Rows at positions p < num_prompt - 1 score the prompt token at p + 1.
+                end = min(start + count, req.num_prompt_tokens - 1)
+                if end > start:
+                    prompt_spans.append((req.request_id, start, offset, end - start))
+            offset += count
+        dev = self.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        ctx_lens_t = torch.tensor(ctx_lens, dtype=torch.int64)
+        cu_seqlens = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=cu_seqlens[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t, output_size=offset)
+        positions = torch.arange(offset) - cu_seqlens[seq_idx] + (ctx_lens_t - q_lens_t)[seq_idx]
+        slots = (
+            block_tables[seq_idx, positions // self.block_size].long() * self.block_size
+            + positions % self.block_size
+        )
+        logit_rows = list(sample_rows)
+        prompt_row_ranges = {}
+        for rid, first_pos, first_row, n_rows in prompt_spans:
+            prompt_row_ranges[rid] = (first_pos, len(logit_rows), len(logit_rows) + n_rows)
+            logit_rows += range(first_row, first_row + n_rows)
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            cu_seqlens_q=cu_seqlens.to(device=dev, dtype=torch.int32, non_blocking=True),
+            seq_lens=ctx_lens_t.to(device=dev, dtype=torch.int32, non_blocking=True),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(ctx_lens),
+        )
+        return _Batch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            meta=meta,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            sample_request_ids=sample_ids,
+            prompt_row_ranges=prompt_row_ranges,
+        )
+
+
+@dataclass
+class _Batch:
+    """The flat device tensors of one step."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [R + prompt rows]
+    sample_request_ids: list[str]
+    prompt_row_ranges: dict[str, tuple[int, int, int]]  # request_id -> (first_pos, row_start, row_end)

@@ -1,0 +1,55 @@
+"""What the engine hands back per step: RequestOutput with one CompletionOutput per returned sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One returned sequence: cumulative text and tokens, plus what is new since the previous output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        """True once this sequence has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one user request after a step; `finished` is True exactly once, on its last output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for metrics; totals count since the engine started."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
