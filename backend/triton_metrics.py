@@ -1,0 +1,70 @@
+"""The engine's metrics on Triton's /metrics page, through pb_utils.MetricFamily, with vLLM's names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0]
+
+# EngineStats field -> (metric name, description) for the monotonically growing counts.
+_COUNTERS = {
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("vllm:num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks."),
+    "prompt_tokens": ("vllm:prompt_tokens_total", "Prompt tokens processed."),
+    "generation_tokens": ("vllm:generation_tokens_total", "Tokens generated."),
+}
+_GAUGES = {
+    "num_running": ("vllm:num_requests_running", "Requests in the running batch."),
+    "num_waiting": ("vllm:num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."),
+}
+_HISTOGRAMS = {
+    "ttft": ("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token."),
+    "itl": ("vllm:inter_token_latency_seconds", "Time between two generated tokens of one request."),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Time from arrival to the end of the request."),
+}
+
+
+class EngineMetrics:
+    """Gauges, counters and latency histograms of one llm model instance.
+
+    Only one thread (the response thread) calls it; counters follow the engine's cumulative stats.
+    """
+
+    def __init__(self, model_name: str, model_version: str):
+        labels = {"model": model_name, "version": model_version}
+        self._families = []
+        self._counters: dict[str, Any] = {}
+        self._gauges: dict[str, Any] = {}
+        self._histograms: dict[str, Any] = {}
+        for kind, specs, target in (
+            (pb_utils.MetricFamily.COUNTER, _COUNTERS, self._counters),
+            (pb_utils.MetricFamily.GAUGE, _GAUGES, self._gauges),
+        ):
+            for field, (name, description) in specs.items():
+                family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+                self._families.append(family)
+                target[field] = family.Metric(labels=labels)
+        for field, (name, description) in _HISTOGRAMS.items():
+            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.HISTOGRAM)
+            self._families.append(family)
+            self._histograms[field] = family.Metric(labels=labels, buckets=_LATENCY_BUCKETS)
+        self._last_counts = dict.fromkeys(_COUNTERS, 0)
+
+    def update(self, stats: Any) -> None:
+        """Set the gauges and advance the counters from an EngineStats snapshot."""
+        for field, gauge in self._gauges.items():
+            gauge.set(float(getattr(stats, field)))
+        for field, counter in self._counters.items():
+            value = int(getattr(stats, field))
+            if value > self._last_counts[field]:
+                counter.increment(value - self._last_counts[field])
+                self._last_counts[field] = value
+
+    def observe(self, histogram: str, seconds: float) -> None:
+        """Record one latency sample: `histogram` is "ttft", "itl" or "e2e"."""
+        self._histograms[histogram].observe(seconds)

@@ -1,0 +1,362 @@
+"""The decoupled Triton `llm` model: execute() only validates and enqueues; an engine thread drives the
+(not thread-safe) LLMEngine; a response thread sends. Every request ends with a FINAL response, errors
+and cancellations included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .detokenizer import detokenize_incrementally, initial_offsets
+from .errors import InvalidRequestError
+from .triton_metrics import EngineMetrics
+from .triton_utils import LLMRequestInputs, error_response, parse_llm_request, string_tensor
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# is_cancelled() is a round trip to the server process: poll at most this often while generating.
+CANCEL_POLL_SECONDS = 0.02
+STATS_INTERVAL_SECONDS = 0.1
+SHUTDOWN_TIMEOUT_SECONDS = 30.0
+
+_INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+                   "max_model_len", "max_num_waiting", "seed")
+_FLOAT_PARAMETERS = ("gpu_memory_utilization",)
+_BOOL_PARAMETERS = ("enable_prefix_caching",)
+_STRING_PARAMETERS = ("dtype", "device")
+_STOP = object()
+
+
+def engine_arguments(parameters: dict[str, dict]) -> tuple[str, dict[str, Any]]:
+    """(model path, LLMEngine.from_pretrained kwargs) from config.pbtxt `parameters`; "" keeps a default."""
+    values = {key: entry.get("string_value", "").strip() for key, entry in parameters.items()}
+    kwargs: dict[str, Any] = {}
+    for key in _INT_PARAMETERS + _FLOAT_PARAMETERS + _BOOL_PARAMETERS + _STRING_PARAMETERS:
+        raw = values.get(key, "")
+        if not raw:
+            continue
+        try:
+            if key in _INT_PARAMETERS:
+                kwargs[key] = int(raw)
+            elif key in _FLOAT_PARAMETERS:
+                kwargs[key] = float(raw)
+            elif key in _BOOL_PARAMETERS:
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                kwargs[key] = raw.lower() in ("true", "1")
+            else:
+                kwargs[key] = raw
+        except ValueError:
+            raise ValueError(f"config.pbtxt parameter {key} has a bad value {raw!r}") from None
+    return values.get("model", ""), kwargs
+
+
+@dataclass
+class _InFlight:
+    """One user request as the two threads see it; the detokenizer offsets belong to the response thread."""
+
+    request_id: str
+    sender: Any
+    inputs: LLMRequestInputs
+    arrival: float
+    last_token_time: float | None = None
+    token_ids: list[int] = field(default_factory=list)  # ensemble path: prompt + completion 0 so far
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+class TritonPythonModel:
+    """Triton's entry points for the `llm` model."""
+
+    def initialize(self, args: dict) -> None:
+        """Start the engine thread (the engine loads there) and the response thread; raise startup errors."""
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("the llm model needs `model_transaction_policy { decoupled: true }`")
+        self._model_path, self._engine_kwargs = engine_arguments(config.get("parameters", {}))
+        self._metrics = EngineMetrics(args["model_name"], args["model_version"])
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._engine: Any = None
+        self._startup = threading.Condition()
+        self._started = False
+        self._startup_error: BaseException | None = None
+        self._closing = False
+        self._response_thread = threading.Thread(target=self._response_loop, name="pagedserve-responses", daemon=True)
+        self._engine_thread = threading.Thread(target=self._engine_main, name="pagedserve-engine", daemon=True)
+        self._response_thread.start()
+        self._engine_thread.start()
+        with self._startup:
+            self._startup.wait_for(lambda: self._started)
+        if self._startup_error is not None:
+            self._outbox.put(None)
+            self._response_thread.join()
+            raise pb_utils.TritonModelException(f"the pagedserve engine failed to start: {self._startup_error!r}")
+
+    def execute(self, requests: list) -> None:
+        """Validate each request and hand it to the engine thread; responses come from the response thread."""
+        for request in requests:
+            sender = request.get_response_sender()
+            if self._closing:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    "the llm model is shutting down", pb_utils.TritonError.UNAVAILABLE)), flags=FINAL)
+                continue
+            try:
+                inputs = parse_llm_request(request)
+            except InvalidRequestError as error:
+                sender.send(error_response(error), flags=FINAL)
+                continue
+            self._inbox.put(_InFlight(f"req-{next(self._ids)}", sender, inputs, time.monotonic()))
+        return None
+
+    def finalize(self) -> None:
+        """End every in-flight request with an error response, then stop both threads."""
+        self._closing = True
+        self._inbox.put(_STOP)
+        self._engine_thread.join(SHUTDOWN_TIMEOUT_SECONDS)
+        self._outbox.put(None)
+        self._response_thread.join(SHUTDOWN_TIMEOUT_SECONDS)
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _engine_main(self) -> None:
+        """Load the engine, report back to initialize(), then run the loop until _STOP."""
+        try:
+            from .engine import LLMEngine
+
+            model = self._model_path
+            if not model:
+                from .default_model import ensure_default_model
+
+                model = str(ensure_default_model())
+            self._engine = LLMEngine.from_pretrained(model, **self._engine_kwargs)
+        except BaseException as error:  # noqa: BLE001 - handed to initialize(), which raises it
+            self._startup_error = error
+        with self._startup:
+            self._started = True
+            self._startup.notify_all()
+        if self._startup_error is None:
+            self._engine_loop()
+
+    def _engine_loop(self) -> None:
+        engine = self._engine
+        active: dict[str, _InFlight] = {}
+        last_poll = last_stats = 0.0
+        while True:
+            busy = engine.has_unfinished_requests()
+            if not busy:
+                self._outbox.put(("stats", engine.get_stats()))
+            for item in self._drain_inbox(block=not busy):
+                if item is _STOP:
+                    self._shutdown(active)
+                    return
+                self._add(item, active)
+            now = time.monotonic()
+            if active and now - last_poll >= CANCEL_POLL_SECONDS:
+                self._abort_cancelled(active)
+                last_poll = now
+            if engine.has_unfinished_requests():
+                self._step(active)
+            if now - last_stats >= STATS_INTERVAL_SECONDS:
+                self._outbox.put(("stats", engine.get_stats()))
+                last_stats = now
+
+    def _drain_inbox(self, block: bool) -> list:
+        items = [self._inbox.get()] if block else []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+            if items[-1] is _STOP:
+                return items
+
+    def _add(self, request: _InFlight, active: dict[str, _InFlight]) -> None:
+        inputs = request.inputs
+        try:
+            self._engine.add_request(request.request_id, inputs.prompt, inputs.params,
+                                     prompt_token_ids=inputs.prompt_token_ids)
+        except Exception as error:  # noqa: BLE001 - every failure becomes this request's error response
+            self._outbox.put(("error", request, error))
+            return
+        active[request.request_id] = request
+
+    def _abort_cancelled(self, active: dict[str, _InFlight]) -> None:
+        for request_id, request in list(active.items()):
+            if request.sender.is_cancelled():
+                self._engine.abort_request(request_id)
+                del active[request_id]
+                self._outbox.put(("cancelled", request))
+
+    def _step(self, active: dict[str, _InFlight]) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
+            pb_utils.Logger.log_error(f"pagedserve engine step failed: {error!r}")
+            for request_id, request in active.items():
+                self._engine.abort_request(request_id)
+                self._outbox.put(("error", request, RuntimeError(f"engine step failed: {error}")))
+            active.clear()
+            return
+        now = time.monotonic()
+        for output in outputs:
+            request = active.get(output.request_id)
+            if request is None:
+                continue  # cancelled meanwhile
+            if output.finished:
+                del active[output.request_id]
+            self._outbox.put(("output", request, output, now))
+
+    def _shutdown(self, active: dict[str, _InFlight]) -> None:
+        error = RuntimeError("the llm model is shutting down")
+        pending = list(active.values())
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                pending.append(item)
+        for request in pending:
+            if request.request_id in active:
+                self._engine.abort_request(request.request_id)
+            self._outbox.put(("error", request, error))
+        active.clear()
+
+    # ---- response thread -----------------------------------------------------------------------
+
+    def _response_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            try:
+                self._handle(item)
+            except Exception as error:  # noqa: BLE001 - one bad response must not stop the others
+                pb_utils.Logger.log_error(f"pagedserve response thread: {error!r}")
+                if item[0] in ("output", "error", "cancelled"):
+                    self._send_error(item[1], error)
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "stats":
+            self._metrics.update(item[1])
+        elif kind == "output":
+            self._send_output(*item[1:])
+        elif kind == "error":
+            self._send_error(item[1], item[2])
+        elif kind == "cancelled":
+            response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                "the request was cancelled", pb_utils.TritonError.CANCELLED))
+            item[1].sender.send(response, flags=FINAL)
+
+    def _send_error(self, request: _InFlight, error: BaseException) -> None:
+        request.sender.send(error_response(error), flags=FINAL)
+
+    def _send_output(self, request: _InFlight, output: Any, now: float) -> None:
+        num_new = sum(len(c.token_ids_delta) for c in output.outputs)
+        if num_new:
+            if request.last_token_time is None:
+                self._metrics.observe("ttft", now - request.arrival)
+            else:
+                self._metrics.observe("itl", now - request.last_token_time)
+            request.last_token_time = now
+        if output.finished:
+            self._metrics.observe("e2e", now - request.arrival)
+        if output.error:
+            self._send_error(request, RuntimeError(output.error))
+            return
+        if not output.finished and not (request.inputs.stream and num_new):
+            return
+        tensors = self._output_tensors(request, output)
+        request.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if output.finished else 0)
+
+    def _output_tensors(self, request: _InFlight, output: Any) -> list:
+        inputs = request.inputs
+        completions = output.outputs
+        if inputs.stream:
+            texts = [c.text_delta for c in completions]
+        else:
+            echo = "" if inputs.exclude_input_in_output else self._prompt_text(output)
+            texts = [echo + c.text for c in completions]
+        tensors = [string_tensor("text_output", texts)]
+        ensemble = inputs.from_ensemble
+        if ensemble:
+            tensors += self._ensemble_tensors(request, output)
+        if inputs.return_finish_reason or ensemble:
+            tensors.append(string_tensor("finish_reason", [c.finish_reason or "" for c in completions]))
+        if inputs.return_cumulative_logprob or ensemble:
+            values = [c.cumulative_logprob or 0.0 for c in completions]
+            tensors.append(pb_utils.Tensor("cumulative_logprob", np.asarray(values, dtype=np.float32)))
+        if inputs.return_logprobs or ensemble:
+            entries = [json.dumps(self._logprob_entries(c, inputs), ensure_ascii=False) for c in completions]
+            tensors.append(string_tensor("logprobs", entries))
+        if inputs.return_num_input_tokens:
+            tensors.append(pb_utils.Tensor("num_input_tokens",
+                                           np.asarray([len(output.prompt_token_ids)], dtype=np.int32)))
+        if inputs.return_num_output_tokens:
+            tensors.append(pb_utils.Tensor("num_output_tokens",
+                                           np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)))
+        return tensors
+
+    def _prompt_text(self, output: Any) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self._engine.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=True)
+
+    def _ensemble_tensors(self, request: _InFlight, output: Any) -> list:
+        """`output_ids` plus the preceding ids and read offset postprocessing needs to decode statelessly."""
+        completion = output.outputs[0]
+        inputs = request.inputs
+        prompt_ids = inputs.prompt_token_ids
+        if not request.token_ids:
+            request.token_ids = list(prompt_ids)
+            request.prefix_offset, request.read_offset = initial_offsets(len(prompt_ids))
+        if inputs.stream:
+            new_ids = list(completion.token_ids_delta)
+            before = len(request.token_ids)
+            request.token_ids.extend(new_ids)
+            prefix_ids = request.token_ids[request.prefix_offset:before]
+            read_offset = request.read_offset - request.prefix_offset
+            _, request.prefix_offset, request.read_offset = detokenize_incrementally(
+                self._engine.tokenizer, request.token_ids, request.prefix_offset, request.read_offset,
+                inputs.params.skip_special_tokens,
+            )
+            output_ids = new_ids
+        elif inputs.exclude_input_in_output:
+            prefix_ids = prompt_ids[request.prefix_offset:]
+            read_offset = len(prefix_ids)
+            output_ids = list(completion.token_ids)
+        else:
+            prefix_ids, read_offset, output_ids = [], 0, list(prompt_ids) + list(completion.token_ids)
+        return [
+            pb_utils.Tensor("output_ids", np.asarray(output_ids, dtype=np.int32)),
+            pb_utils.Tensor("prefix_ids", np.asarray(prefix_ids, dtype=np.int32)),
+            pb_utils.Tensor("read_offset", np.asarray([read_offset], dtype=np.int32)),
+        ]
+
+    def _logprob_entries(self, completion: Any, inputs: LLMRequestInputs) -> list[dict]:
+        """The logprobs JSON of this response's tokens: all of them, or the new ones when streaming."""
+        if not completion.logprobs:
+            return []
+        count = len(completion.token_ids_delta) if inputs.stream else len(completion.token_ids)
+        token_ids = completion.token_ids[len(completion.token_ids) - count:]
+        per_token = completion.logprobs[len(completion.logprobs) - count:] if count else []
+        top_n = inputs.params.logprobs or 0
+        decode = self._engine.tokenizer.decode
+        entries = []
+        for token_id, candidates in zip(token_ids, per_token, strict=True):
+            ranked = sorted(candidates.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+            entries.append({
+                "token_id": token_id,
+                "token": decode([token_id]),
+                "logprob": candidates.get(token_id, float("nan")),
+                "top_logprobs": [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in ranked],
+            })
+        return entries

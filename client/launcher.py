@@ -1,0 +1,374 @@
+"""`pagedserve serve`: run tritonserver on the pagedserve model repository, plus the OpenAI shim.
+
+Finds `tritonserver` (PATH, else the one shipped in the nvidia-pytriton wheel), lays out the Python
+backend with the stub built for the running Python, fills the model path into a generated copy of the
+repository, waits until the server is ready and stops the whole process group on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# Parameter keys filled with the model path in every model of the repository that declares them.
+MODEL_PATH_KEYS = ("model", "tokenizer")
+LLM_MODEL_NAME = "llm"
+OPENAI_MODULE = "pagedserve.client.openai_server"
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where a tritonserver binary and what it needs at run time live."""
+
+    binary: Path
+    lib_dirs: tuple[Path, ...] = ()
+    python_backend: Path | None = None  # the wheel's backends/python; None: the server's own default
+    stub_dir: Path | None = None  # python_backend_stubs/ with one stub per Python version
+    cache_dir: Path | None = None
+
+
+def find_tritonserver() -> TritonInstall:
+    """Return the tritonserver on PATH, else the one inside the nvidia-pytriton wheel."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonInstall(binary=Path(on_path))
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("tritonserver not found: put it on PATH or `pip install nvidia-pytriton`")
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    return TritonInstall(
+        binary=root / "bin" / "tritonserver",
+        lib_dirs=(root.parent.parent / "nvidia_pytriton.libs",),
+        python_backend=root / "backends" / "python",
+        stub_dir=root / "python_backend_stubs",
+        cache_dir=root / "caches",
+    )
+
+
+def layout_backend_dir(install: TritonInstall, work_dir: Path) -> Path | None:
+    """Build `<work_dir>/backends/python` with the stub matching this interpreter; None if not needed."""
+    if install.python_backend is None or install.stub_dir is None:
+        return None
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = install.stub_dir / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"no triton_python_backend_stub for Python {version} in {install.stub_dir}")
+    python_dir = work_dir / "backends" / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for item in install.python_backend.iterdir():
+        if item.is_file():
+            (python_dir / item.name).symlink_to(item)
+    # The backend looks for the stub beside libtriton_python.so.
+    shutil.copy2(stub, python_dir / stub.name)
+    return work_dir / "backends"
+
+
+def fill_parameters(config_text: str, values: Mapping[str, str], *, strict: bool = False) -> str:
+    """Set the string_value of the named `parameters` entries of a config.pbtxt text.
+
+    With `strict`, a key the config does not declare is an error (a typo in `--param`).
+    """
+    for key, value in values.items():
+        pattern = re.compile(
+            r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*)"(?:[^"\\]|\\.)*"'
+        )
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        config_text, count = pattern.subn(lambda m, v=escaped: f'{m.group(1)}"{v}"', config_text)
+        if strict and count == 0:
+            raise ValueError(f"--param {key}: the {LLM_MODEL_NAME} model has no parameter named {key!r}")
+    return config_text
+
+
+def prepare_model_repository(
+    source: Path, target: Path, model: str | None, llm_params: Mapping[str, str] | None = None
+) -> Path:
+    """Copy the repository to `target`, filling the model path and the llm engine parameters."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    paths = {key: model for key in MODEL_PATH_KEYS} if model else {}
+    for config in sorted(target.glob("*/config.pbtxt")):
+        text = fill_parameters(config.read_text(), paths)
+        if config.parent.name == LLM_MODEL_NAME and llm_params:
+            text = fill_parameters(text, llm_params, strict=True)
+        config.write_text(text)
+    return target
+
+
+def server_env(install: TritonInstall) -> dict[str, str]:
+    """The environment tritonserver runs in: this interpreter first on PATH, its libpython findable.
+
+    The Python backend stub embeds the `python` it finds on PATH; any other interpreter would load
+    another numpy/ABI and garble string tensors.
+    """
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    lib_dirs = [sysconfig.get_config_var("LIBDIR") or "", *map(str, install.lib_dirs)]
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(d for d in lib_dirs if d)
+    return env
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if the launcher dies without cleaning up."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _client_host(host: str) -> str:
+    """The address a local client uses to reach a server bound to `host`."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+class TritonServer:
+    """One tritonserver process (and its Python stubs) in its own process group."""
+
+    def __init__(
+        self,
+        model_repository: Path,
+        *,
+        work_dir: Path,
+        host: str = "127.0.0.1",
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        log_verbose: int = 0,
+        log_file: Path | None = None,
+        install: TritonInstall | None = None,
+    ):
+        self.model_repository = Path(model_repository)
+        self.work_dir = Path(work_dir)
+        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        self.log_verbose = log_verbose
+        self.log_file = log_file
+        self.install = install or find_tritonserver()
+        self.process: subprocess.Popen | None = None
+        self._log_handle = None
+
+    @property
+    def http_url(self) -> str:
+        """`host:port` of the HTTP/REST endpoint (tritonclient style, no scheme)."""
+        return f"{_client_host(self.host)}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """`host:port` of the gRPC endpoint."""
+        return f"{_client_host(self.host)}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Full URL of the Prometheus metrics page."""
+        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        """The tritonserver command line."""
+        cmd = [
+            str(self.install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            f"--log-verbose={self.log_verbose}",
+            "--allow-cpu-metrics=false",
+            "--exit-timeout-secs=10",
+        ]
+        backend_dir = layout_backend_dir(self.install, self.work_dir)
+        if backend_dir is not None:
+            cmd.append(f"--backend-directory={backend_dir}")
+        if self.install.cache_dir is not None:
+            cmd.append(f"--cache-directory={self.install.cache_dir}")
+        return cmd
+
+    def start(self) -> None:
+        """Start tritonserver in a new session (its own process group)."""
+        if self.process is not None:
+            raise RuntimeError("this TritonServer was already started")
+        output = None
+        if self.log_file is not None:
+            self._log_handle = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
+            output = self._log_handle
+        self.process = subprocess.Popen(
+            self.command(),
+            env=server_env(self.install),
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Block until every model is loaded; raise with the log tail if the server dies or times out."""
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited before it was ready{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{self._log_tail()}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server, wait, then SIGKILL whatever is left of its process group."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        if self._log_handle is not None:
+            self._log_handle.close()
+            self._log_handle = None
+
+    def _log_tail(self, num_chars: int = 4000) -> str:
+        if self.log_file is None or not Path(self.log_file).exists():
+            return ""
+        return "\n--- tritonserver log tail ---\n" + Path(self.log_file).read_text(errors="replace")[-num_chars:]
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _parse_params(items: Sequence[str]) -> dict[str, str]:
+    """`KEY=VALUE` strings to a dict, refusing anything without `=`."""
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--param expects KEY=VALUE, got {item!r}")
+        params[key.strip()] = value.strip()
+    return params
+
+
+def _start_openai_shim(args: argparse.Namespace, server: TritonServer) -> subprocess.Popen | None:
+    """Start the OpenAI shim beside the server when it is installed and wanted."""
+    if args.no_openai or importlib.util.find_spec(OPENAI_MODULE) is None:
+        return None
+    cmd = [
+        sys.executable, "-m", OPENAI_MODULE,
+        "--triton-url", server.grpc_url,
+        "--host", args.host,
+        "--port", str(args.openai_port),
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _stop_process_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM a child's process group, then SIGKILL it if it lingers."""
+    if proc is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=timeout)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the `serve` options."""
+    parser.add_argument("--model", help="model directory (safetensors + tokenizer); default: SmolLM2-135M-Instruct")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--openai-port", type=int, default=9000)
+    parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible shim")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set an llm engine parameter of config.pbtxt, e.g. max_model_len=4096 (repeatable)",
+    )
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C / SIGTERM or until tritonserver exits; returns the exit status."""
+    params = _parse_params(args.param)
+    model = args.model
+    if model is None:
+        from pagedserve.backend.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    model = str(Path(model).expanduser().resolve())
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-serve-") as tmp:
+        work_dir = Path(tmp)
+        repository = prepare_model_repository(args.model_repository, work_dir / "models", model, params)
+        server = TritonServer(
+            repository,
+            work_dir=work_dir,
+            host=args.host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            log_verbose=args.log_verbose,
+        )
+        shim = None
+        try:
+            server.start()
+            server.wait_ready(args.ready_timeout)
+            shim = _start_openai_shim(args, server)
+            print(f"pagedserve is serving {model}", flush=True)
+            print(f"  HTTP    http://{server.http_url}  (POST /v2/models/llm/generate_stream)", flush=True)
+            print(f"  gRPC    {server.grpc_url}", flush=True)
+            print(f"  metrics {server.metrics_url}", flush=True)
+            if shim is not None:
+                print(f"  OpenAI  http://{_client_host(args.host)}:{args.openai_port}/v1", flush=True)
+            print("Ctrl-C stops it.", flush=True)
+            return server.process.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            _stop_process_group(shim)
+            server.stop()

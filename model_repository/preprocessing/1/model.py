@@ -1,0 +1,5 @@
+"""The ensemble's tokenizing step."""
+
+from pagedserve.backend.triton_utils import PreprocessingModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]
