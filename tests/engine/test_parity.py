@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from pagedserve.backend.engine import LLMEngine
 from pagedserve.backend.sampling_params import SamplingParams
 
