@@ -1,0 +1,192 @@
+"""Paged attention: the batched torch reference and the Triton kernels against a slow per-sequence one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from pagedserve.kernels import attention_triton, reference
+
+# (q_len, seq_len): a chunked prefill over a cached prefix spanning several query tiles at GQA 4 and 8,
+# decodes (one at position 0), a whole-prompt prefill and a short chunk; lengths straddle block edges.
+MIXED = [(40, 70), (1, 45), (17, 17), (1, 1), (3, 64), (1, 33)]
+DECODES = [(1, 200), (1, 1), (1, 37), (1, 129)]
+FP32_TOL = {"atol": 2e-5, "rtol": 1e-5}
+BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
+
+
+@dataclass
+class PagedBatch:
+    """One step's attention inputs: flat queries, a random block pool and non-contiguous block tables."""
+
+    query: torch.Tensor  # [T, Hq, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    scale: float
+
+    def args(self) -> tuple:
+        """Positional arguments of paged_attention, max lengths included."""
+        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.cu_seqlens_q,
+                self.seq_lens, self.scale, int(q_lens.max()), int(self.seq_lens.max()))
+
+
+def make_batch(
+    lens: list[tuple[int, int]],  # (q_len, seq_len) per sequence; seq_len counts this step's tokens
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> PagedBatch:
+    """A batch whose sequences own random, scattered blocks of a pool larger than they need."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in lens]
+    num_blocks = sum(blocks_per_seq) + 7
+    perm = torch.randperm(num_blocks, generator=gen)
+    # A spare column: tables are wider than any sequence needs, as the runner pads them.
+    block_tables = torch.zeros(len(lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        block_tables[s, :n] = perm[used : used + n].int()
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    q_lens = torch.tensor([q for q, _ in lens])
+    return PagedBatch(
+        query=torch.randn(int(q_lens.sum()), num_kv_heads * group, head_dim, generator=gen).to(dtype),
+        key_cache=torch.randn(shape, generator=gen).to(dtype),
+        value_cache=torch.randn(shape, generator=gen).to(dtype),
+        block_tables=block_tables,
+        cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int(),
+        seq_lens=torch.tensor([k for _, k in lens], dtype=torch.int32),
+        scale=head_dim**-0.5,
+    )
+
+
+def per_sequence_attention(batch: PagedBatch) -> torch.Tensor:  # -> [T, Hq, D] fp32
+    """Slow reference: per sequence, gather K/V token by token through the block table, fp32 softmax."""
+    block_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
+    group = batch.query.shape[1] // num_kv_heads
+    out = torch.empty(batch.query.shape, dtype=torch.float32)
+    for s in range(batch.seq_lens.numel()):
+        start, end = int(batch.cu_seqlens_q[s]), int(batch.cu_seqlens_q[s + 1])
+        seq_len = int(batch.seq_lens[s])
+        slots = [(int(batch.block_tables[s, p // block_size]), p % block_size) for p in range(seq_len)]
+        k = torch.stack([batch.key_cache[b, o] for b, o in slots]).float().repeat_interleave(group, dim=1)
+        v = torch.stack([batch.value_cache[b, o] for b, o in slots]).float().repeat_interleave(group, dim=1)
+        for i in range(end - start):
+            pos = seq_len - (end - start) + i
+            scores = torch.einsum("hd,khd->hk", batch.query[start + i].float(), k[: pos + 1]) * batch.scale
+            out[start + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[: pos + 1])
+    return out
+
+
+SHAPES = [
+    pytest.param(kv, g, d, bs, id=f"gqa{g}-d{d}-bs{bs}")
+    for kv, g in ((2, 1), (2, 4), (1, 8))
+    for d in (64, 80)
+    for bs in (16, 32)
+]
+# Every pair of (GQA ratio, head size, block size) values appears once: the interpreter is slow.
+PAIRWISE_SHAPES = [
+    pytest.param(kv, g, d, bs, id=f"gqa{g}-d{d}-bs{bs}")
+    for kv, g, d, bs in ((2, 1, 64, 16), (2, 1, 80, 32), (2, 4, 64, 32), (2, 4, 80, 16), (1, 8, 64, 16),
+                         (1, 8, 80, 32))
+]
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), SHAPES)
+def test_torch_reference_equals_per_sequence_attention(num_kv_heads, group, head_dim, block_size):
+    batch = make_batch(MIXED, num_kv_heads, group, head_dim, block_size)
+    torch.testing.assert_close(reference.paged_attention(*batch.args()), per_sequence_attention(batch),
+                               **FP32_TOL)
+
+
+def test_torch_reference_decode_fast_path_equals_per_sequence_attention():
+    batch = make_batch(DECODES, 2, 4, 64, 16)
+    torch.testing.assert_close(reference.paged_attention(*batch.args()), per_sequence_attention(batch),
+                               **FP32_TOL)
+
+
+def test_torch_reference_in_bf16_stays_close_to_fp32_attention():
+    batch = make_batch(MIXED, 2, 4, 64, 16, dtype=torch.bfloat16)
+    out = reference.paged_attention(*batch.args())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), per_sequence_attention(batch), **BF16_TOL)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"), PAIRWISE_SHAPES)
+def test_triton_mixed_prefill_and_decode_batch_equals_reference(num_kv_heads, group, head_dim, block_size):
+    batch = make_batch(MIXED, num_kv_heads, group, head_dim, block_size, seed=1)
+    torch.testing.assert_close(attention_triton.paged_attention(*batch.args()),
+                               per_sequence_attention(batch), **FP32_TOL)
+
+
+@pytest.mark.parametrize("head_dim", [96, 128, 256])
+def test_triton_pads_larger_head_sizes(head_dim):
+    batch = make_batch([(5, 20), (1, 17)], 1, 2, head_dim, 16, seed=2)
+    torch.testing.assert_close(attention_triton.paged_attention(*batch.args()),
+                               per_sequence_attention(batch), **FP32_TOL)
+
+
+@pytest.mark.parametrize(("num_splits", "group"), [(1, 4), (2, 1), (4, 4), (8, 8)])
+def test_triton_split_k_decode_equals_reference(num_splits, group):
+    # The shorter sequences leave whole splits empty; those must weigh nothing in the reduction.
+    batch = make_batch(DECODES, 8 // group, group, 80, 16, seed=3)
+    out = attention_triton.paged_attention(*batch.args(), num_splits=num_splits)
+    torch.testing.assert_close(out, per_sequence_attention(batch), **FP32_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_bf16_equals_fp32_attention_within_bf16_rounding(num_splits):
+    lens = DECODES if num_splits > 1 else MIXED
+    batch = make_batch(lens, 2, 4, 64, 16, dtype=torch.bfloat16, seed=4)
+    out = attention_triton.paged_attention(*batch.args(), num_splits=num_splits)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), per_sequence_attention(batch), **BF16_TOL)
+
+
+def test_triton_writes_into_given_out_tensor():
+    batch = make_batch(MIXED, 2, 4, 64, 16, seed=5)
+    out = torch.full_like(batch.query, float("nan"))
+    result = attention_triton.paged_attention(*batch.args(), out=out)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, per_sequence_attention(batch), **FP32_TOL)
+
+
+def test_triton_reads_blocks_past_int32_element_offsets():
+    # Block ids whose element offset (id * block_size * heads * head_size) exceeds 2**31: int32 address
+    # math would wrap to a negative offset. The fp16 pool is only reserved virtual memory (torch.empty does
+    # not touch its pages); just the blocks used are written.
+    block_size, head_dim = 16, 16
+    per_block = block_size * head_dim
+    first_far = 2**31 // per_block + 1
+    num_blocks = first_far + 64
+    key_cache = torch.empty(num_blocks, block_size, 1, head_dim, dtype=torch.float16)
+    value_cache = torch.empty_like(key_cache)
+    gen = torch.Generator().manual_seed(6)
+    table = torch.tensor([[num_blocks - 1, 3, first_far + 9, first_far], [first_far + 20, 5, 0, 0]],
+                         dtype=torch.int32)
+    used = torch.unique(table).long()
+    key_cache[used] = torch.randn(used.numel(), block_size, 1, head_dim, generator=gen).half()
+    value_cache[used] = torch.randn(used.numel(), block_size, 1, head_dim, generator=gen).half()
+    assert int(table.max()) * per_block > 2**31
+
+    decode = PagedBatch(torch.randn(2, 4, head_dim, generator=gen).half(), key_cache, value_cache, table,
+                        torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([60, 20], dtype=torch.int32),
+                        0.25)
+    expected = per_sequence_attention(decode)
+    for num_splits in (1, 2):
+        out = attention_triton.paged_attention(*decode.args(), num_splits=num_splits)
+        torch.testing.assert_close(out.float(), expected, atol=2e-3, rtol=2e-3)
+
+    prefill = PagedBatch(torch.randn(7, 4, head_dim, generator=gen).half(), key_cache, value_cache, table,
+                         torch.tensor([0, 4, 7], dtype=torch.int32), torch.tensor([60, 20], dtype=torch.int32),
+                         0.25)
+    out = attention_triton.paged_attention(*prefill.args())
+    torch.testing.assert_close(out.float(), per_sequence_attention(prefill), atol=2e-3, rtol=2e-3)
