@@ -1,0 +1,60 @@
+"""The tokenizing ensemble (preprocessing -> llm -> postprocessing) with the TensorRT-LLM tensor names:
+streamed text is byte-exact, over HTTP and gRPC, and matches what the llm model says itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Multi-byte characters and leading spaces; random-weight models also emit split and invalid UTF-8.
+PROMPTS = ["The capital of France is", "Café, naïve, Zürich,", "日本語 and 🙂 and ✓", "  two leading spaces"]
+
+
+def _sampled(seed: int) -> dict:
+    return {"max_tokens": 24, "temperature": 1.0, "seed": seed, "exclude_input_in_output": True}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_http_generate_stream_through_the_ensemble_is_byte_exact(triton_server, prompt):
+    body = {"text_input": prompt, **_sampled(seed=len(prompt))}
+    events = triton_server.generate_stream("ensemble", {**body, "stream": True})
+    whole = triton_server.generate("ensemble", body)
+    assert events
+    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    llm = triton_server.generate("llm", {"text_input": prompt, "sampling_parameters": (
+        '{"max_tokens": 24, "temperature": 1.0, "seed": %d}' % len(prompt)), "exclude_input_in_output": True})
+    assert whole["text_output"] == llm["text_output"]
+
+
+def test_ensemble_without_exclude_input_returns_prompt_and_completion(triton_server):
+    prompt = "Hello world"
+    with_prompt = triton_server.generate("ensemble", {"text_input": prompt, "max_tokens": 6, "temperature": 0.0})
+    without = triton_server.generate(
+        "ensemble", {"text_input": prompt, "max_tokens": 6, "temperature": 0.0, "exclude_input_in_output": True}
+    )
+    assert with_prompt["text_output"] == prompt + without["text_output"]
+    assert with_prompt["sequence_index"] == 0
+
+
+def test_grpc_stream_through_the_ensemble_with_trtllm_tensor_names(triton_server):
+    values = {
+        "text_input": "Paged attention stores keys",
+        "max_tokens": np.array([10], dtype=np.int32),
+        "temperature": np.array([0.0], dtype=np.float32),
+        "top_k": np.array([5], dtype=np.int32),
+        "seed": np.array([3], dtype=np.uint64),
+        "return_log_probs": True,
+        "exclude_input_in_output": True,
+    }
+    streamed = triton_server.grpc_stream("ensemble", {**values, "stream": True})
+    whole = triton_server.grpc_stream("ensemble", values)
+    assert streamed.error is None and whole.error is None
+    assert len(streamed.responses) == 10
+    assert streamed.finals()[-1] and not any(streamed.finals()[:-1])
+    assert "".join(streamed.texts()) == whole.texts()[0]
+    per_token = [float(r.as_numpy("output_log_probs")[0]) for r in streamed.responses]
+    cumulative = float(streamed.responses[-1].as_numpy("cum_log_probs")[0])
+    assert cumulative == pytest.approx(sum(per_token), abs=1e-3)
+    assert len(whole.responses[0].as_numpy("output_log_probs")) == 10

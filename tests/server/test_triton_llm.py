@@ -1,0 +1,152 @@
+"""The `llm` model through the real tritonserver: gRPC streaming, HTTP generate / generate_stream,
+n > 1, the return_* outputs, 32 concurrent streams, cancellation and metrics."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+
+
+def test_grpc_stream_sends_one_response_per_token_and_final_flag_on_the_last(triton_server):
+    result = triton_server.grpc_stream(
+        "llm", {"text_input": "The capital of France is", "stream": True, "sampling_parameters": GREEDY,
+                "return_num_output_tokens": True, "return_finish_reason": True},
+    )
+    assert result.error is None
+    assert len(result.responses) == GREEDY["max_tokens"]
+    counts = [int(r.as_numpy("num_output_tokens")[0]) for r in result.responses]
+    assert counts == list(range(1, GREEDY["max_tokens"] + 1))
+    assert result.finals() == [False] * (GREEDY["max_tokens"] - 1) + [True]
+    assert result.texts("finish_reason") == [""] * (GREEDY["max_tokens"] - 1) + ["length"]
+
+
+def test_grpc_streamed_deltas_concatenate_to_the_non_streamed_text(triton_server):
+    prompt = "Café, naïve, 日本語 and 🙂:"
+    streamed = triton_server.grpc_stream(
+        "llm", {"text_input": prompt, "stream": True, "sampling_parameters": {**GREEDY, "max_tokens": 24}}
+    )
+    whole = triton_server.grpc_stream(
+        "llm", {"text_input": prompt, "sampling_parameters": {**GREEDY, "max_tokens": 24}}
+    )
+    assert streamed.error is None and whole.error is None
+    assert len(whole.responses) == 1
+    # Non-streamed text starts with the prompt (exclude_input_in_output defaults to false).
+    assert whole.texts()[0] == prompt + "".join(streamed.texts())
+
+
+def test_http_generate_echoes_the_prompt_unless_excluded(triton_server):
+    body = {"text_input": "Hello there.", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    echoed = triton_server.generate("llm", body)
+    plain = triton_server.generate("llm", {**body, "exclude_input_in_output": True})
+    assert echoed["text_output"] == "Hello there." + plain["text_output"]
+    assert plain["text_output"]
+
+
+def test_http_generate_stream_deltas_equal_the_generate_text(triton_server):
+    body = {"text_input": "Once upon a time", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "exclude_input_in_output": True, "return_finish_reason": True}
+    events = triton_server.generate_stream("llm", {**body, "stream": True})
+    whole = triton_server.generate("llm", body)
+    assert len(events) == 16
+    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+    assert [e["finish_reason"] for e in events][-1] == "length"
+
+
+def test_n_returns_n_completions_in_one_response(triton_server):
+    answer = triton_server.generate("llm", {
+        "text_input": "Numbers", "exclude_input_in_output": True, "return_num_output_tokens": True,
+        "sampling_parameters": json.dumps({"n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5,
+                                           "ignore_eos": True}),
+    })
+    assert isinstance(answer["text_output"], list) and len(answer["text_output"]) == 3
+    assert answer["num_output_tokens"] == [5, 5, 5]
+
+
+def test_return_flags_add_token_counts_finish_reason_and_logprobs(triton_server):
+    prompt = "Hello world"
+    answer = triton_server.generate("llm", {
+        "text_input": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2,
+        "exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,
+        "return_num_output_tokens": True, "return_cumulative_logprob": True, "return_logprobs": True,
+    })
+    assert answer["finish_reason"] == "length"
+    assert answer["num_output_tokens"] == 4
+    assert answer["num_input_tokens"] > 0
+    entries = json.loads(answer["logprobs"])
+    assert len(entries) == 4
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in entries)
+    # Greedy: the chosen token is the most likely one.
+    assert all(e["top_logprobs"][0]["token_id"] == e["token_id"] for e in entries)
+    assert answer["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in entries), abs=1e-3)
+
+
+def test_32_concurrent_greedy_streams_each_equal_their_solo_output(triton_server):
+    prompts = [f"Request {i}: the quick brown fox number {i * 7}" for i in range(32)]
+    params = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+
+    def run(prompt: str, stream: bool) -> str:
+        result = triton_server.grpc_stream(
+            "llm", {"text_input": prompt, "stream": stream, "sampling_parameters": params,
+                    "exclude_input_in_output": True},
+        )
+        assert result.error is None, result.error
+        return "".join(result.texts())
+
+    solo = [run(p, False) for p in prompts]
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        concurrent = list(pool.map(lambda p: run(p, True), prompts))
+    assert concurrent == solo
+
+
+def _wait_for(condition, timeout: float = 60.0) -> bool:
+    """Poll `condition` until it holds or `timeout` passes (a liveness bound, not a speed check)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_stop_stream_with_cancel_ends_the_request_and_frees_its_kv_blocks(triton_server):
+    before = triton_server.metric("vllm:generation_tokens_total")
+    max_tokens = 200
+    client, answers = triton_server.open_stream("llm", {
+        "text_input": "Count with me:", "stream": True,
+        "sampling_parameters": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+    })
+    try:
+        for _ in range(3):
+            result, error = answers.get(timeout=60)
+            assert error is None
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+    assert _wait_for(lambda: triton_server.metric("vllm:num_requests_running") == 0
+                     and triton_server.metric("vllm:kv_cache_usage_perc") == 0.0)
+    generated = triton_server.metric("vllm:generation_tokens_total") - before
+    assert 3 <= generated < max_tokens
+    # The server keeps serving after a cancellation.
+    assert triton_server.generate("llm", {"text_input": "Hi", "max_tokens": 2})["text_output"]
+
+
+def test_metrics_page_carries_the_vllm_names(triton_server):
+    triton_server.generate("llm", {"text_input": "Paged attention", "max_tokens": 3, "temperature": 0})
+    text = triton_server.metrics_text()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert f'{name}{{model="llm"' in text, name
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds"):
+        assert triton_server.metric(f"{name}_count") >= 1, name
+    assert triton_server.metric("vllm:generation_tokens_total") >= 3
