@@ -25,7 +25,12 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pagedserve.backend.errors import InvalidRequestError
 from pagedserve.backend.sampling_params import SamplingParams
-from pagedserve.client.triton_client import LLMResponse, TritonLLMClient, TritonRequestError
+from pagedserve.client.triton_client import (
+    LLMResponse,
+    TritonLLMClient,
+    TritonRequestError,
+    TritonUnavailableError,
+)
 
 DEFAULT_PORT = 9000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -77,9 +82,14 @@ def _bad(message: str, param: str | None) -> APIError:
     return APIError(400, message, param)
 
 
-def _triton_error(error: TritonRequestError) -> APIError:
-    """Map a Triton error response: a full queue is 503, anything the model refused is the caller's 400."""
-    text = error.message
+TRITON_ERRORS = (TritonRequestError, TritonUnavailableError)
+
+
+def _triton_error(error: Exception) -> APIError:
+    """Map a Triton failure: unreachable or a full queue is 503, anything the model refused is a 400."""
+    if isinstance(error, TritonUnavailableError):
+        return APIError(503, str(error), code="triton_unavailable")
+    text = str(error)
     if "busy" in text.lower() or "unavailable" in text.lower():
         return APIError(503, text, code="server_busy")
     return _bad(text, None)
@@ -455,7 +465,7 @@ class OpenAIShim:
         if self.settings.model_path is None:
             try:
                 params = await self.client.model_parameters()
-            except Exception as error:
+            except TritonUnavailableError as error:
                 raise APIError(503, f"cannot ask Triton for the model folder: {error}") from error
             path = params.get("model_path") or params.get("model")
             if not path:
@@ -648,7 +658,7 @@ class Generation:
                         yield sse_event(self._chunk(index, text, logprobs, None))
                         text, logprobs = None, None
                     yield sse_event(self._chunk(index, text, logprobs, finish))
-        except TritonRequestError as error:
+        except TRITON_ERRORS as error:
             yield sse_event(_triton_error(error).body())
             yield SSE_DONE
             return
@@ -768,7 +778,7 @@ def create_app(settings: ShimSettings) -> FastAPI:
             return await _stream_response(request, generation, merged)
         try:
             return JSONResponse(await _unless_disconnected(request, generation.run(merged)))
-        except TritonRequestError as error:
+        except TRITON_ERRORS as error:
             raise _triton_error(error) from error
         except ClientGone:
             return Response(status_code=499)
@@ -793,7 +803,7 @@ async def _stream_response(request: Request, generation: Generation,
         first = await _unless_disconnected(request, merged.__anext__())
     except StopAsyncIteration:
         first = None
-    except TritonRequestError as error:
+    except TRITON_ERRORS as error:
         await merged.aclose()
         raise _triton_error(error) from error
     except ClientGone:

@@ -11,11 +11,16 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 LLM_MODEL = "llm"
+
+
+class TritonUnavailableError(ConnectionError):
+    """tritonserver could not be reached (or the gRPC stream broke)."""
 
 
 class TritonRequestError(RuntimeError):
@@ -40,7 +45,6 @@ class LLMResponse:
     logprobs: list[list[dict]] | None = None
     cumulative_logprob: list[float] | None = None
     output_ids: list[int] | None = None
-    final: bool = False
 
     @property
     def finished(self) -> bool:
@@ -86,11 +90,10 @@ def build_inputs(
 
 
 def parse_result(result: grpcclient.InferResult) -> LLMResponse | None:
-    """Turn one streamed result into an LLMResponse; None for the empty final response."""
-    final = bool(result.get_response().parameters["triton_final_response"].bool_param)
+    """Turn one streamed result into an LLMResponse; None for a response without outputs."""
     text = result.as_numpy("text_output")
     if text is None:
-        return None if final else LLMResponse(text=[], finish_reason=[], final=final)
+        return None
     reasons = result.as_numpy("finish_reason")
     logprobs = result.as_numpy("logprobs")
     cumulative = result.as_numpy("cumulative_logprob")
@@ -105,7 +108,6 @@ def parse_result(result: grpcclient.InferResult) -> LLMResponse | None:
         logprobs=[json.loads(_decode(x) or "[]") for x in logprobs.reshape(-1)] if logprobs is not None else None,
         cumulative_logprob=[float(x) for x in cumulative.reshape(-1)] if cumulative is not None else None,
         output_ids=[int(x) for x in output_ids.reshape(-1)] if output_ids is not None else None,
-        final=final,
     )
 
 
@@ -134,7 +136,10 @@ class TritonLLMClient:
 
     async def model_parameters(self) -> dict[str, str]:
         """The `parameters` of the model's config.pbtxt (e.g. `model_path`), as strings."""
-        config = await self._client.get_model_config(self.model_name, as_json=True)
+        try:
+            config = await self._client.get_model_config(self.model_name, as_json=True)
+        except InferenceServerException as error:
+            raise TritonUnavailableError(f"tritonserver at {self.url}: {error}") from error
         params = config.get("config", {}).get("parameters", {})
         return {key: value.get("string_value", "") for key, value in params.items()}
 
@@ -148,20 +153,16 @@ class TritonLLMClient:
         return_logprobs: bool = False,
         request_id: str = "",
     ) -> AsyncIterator[LLMResponse]:
-        """Send one request and yield its responses until the final one.
+        """Send one request and yield its responses until every sequence has finished.
 
-        Raises TritonRequestError when the server answers with an error. Leaving the loop early
-        (break, exception, task cancellation) cancels the request on the server.
+        Raises TritonRequestError when the server answers with an error and TritonUnavailableError
+        when it cannot be reached. Leaving the loop early (break, exception, task cancellation)
+        cancels the request on the server.
         """
         inputs = build_inputs(prompt, input_ids, sampling_parameters or {}, stream, return_logprobs)
 
         async def requests():
-            yield {
-                "model_name": self.model_name,
-                "inputs": inputs,
-                "request_id": request_id,
-                "parameters": {"triton_enable_empty_final_response": True},
-            }
+            yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
 
         call = self._client.stream_infer(requests())
         finished = False
@@ -171,12 +172,20 @@ class TritonLLMClient:
                     finished = True
                     raise TritonRequestError(_strip_prefix(str(error)))
                 response = parse_result(result)
-                if response is not None and response.text:
-                    yield response
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    finished = True
+                if response is None or not response.text:
+                    continue
+                yield response
+                # The last response of a request is the one where every sequence has a finish reason
+                # (the aio client cannot ask for Triton's empty-final flag: the parameter is reserved).
+                if response.finished:
                     return
+            finished = True
+        except grpc.aio.AioRpcError as error:
+            finished = True
+            raise TritonUnavailableError(f"tritonserver at {self.url}: {error.details()}") from error
         finally:
+            # Leaving early (break, error, cancellation, or after the last response) ends the gRPC
+            # stream; a request still running on the server is cancelled with it.
             if not finished:
                 call.cancel()
 
