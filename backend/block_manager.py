@@ -81,7 +81,9 @@ class FreeBlockQueue:
         return [block.block_id for block in self]
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None) -> bytes:
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None
+) -> bytes:
     """128-bit digest chaining the parent block's digest, this block's tokens and an extra key."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent_hash if parent_hash is not None else b"\0" * 16)
@@ -94,7 +96,9 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra
 
 def compute_slot_mapping(block_ids: Sequence[int], block_size: int, start: int, num_tokens: int) -> list[int]:
     """Cache slot of each token at positions start .. start+num_tokens-1."""
-    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
+    return [
+        block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)
+    ]
 
 
 class BlockManager:

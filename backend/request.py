@@ -131,7 +131,9 @@ class Request:
 
 def _check_prompt(prompt_token_ids: object) -> None:
     if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-        raise InvalidRequestError("prompt_token_ids must be a non-empty list of token ids", "prompt_token_ids")
+        raise InvalidRequestError(
+            "prompt_token_ids must be a non-empty list of token ids", "prompt_token_ids"
+        )
     for tok in prompt_token_ids:
         if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
             raise InvalidRequestError(

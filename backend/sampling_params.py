@@ -125,11 +125,15 @@ class SamplingParams:
             raise _fail("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
-                raise _fail("stop", f"entries must be strings of 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
+                raise _fail(
+                    "stop", f"entries must be strings of 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}"
+                )
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise _fail("stop_token_ids", f"must be a list of integers, got {type(self.stop_token_ids).__name__}")
+            raise _fail(
+                "stop_token_ids", f"must be a list of integers, got {type(self.stop_token_ids).__name__}"
+            )
         self.stop_token_ids = list(self.stop_token_ids)
         for tok in self.stop_token_ids:
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:

@@ -47,7 +47,9 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
         # Finished (aborted) requests are swept lazily from both queues, so removal is O(1).
         self.waiting: deque[Request] = deque()
@@ -241,7 +243,9 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, new_block_ids: list[int]) -> None:
+    def _add_scheduled(
+        self, out: SchedulerOutput, request: Request, num_new: int, new_block_ids: list[int]
+    ) -> None:
         computed = request.num_computed_tokens
         out.scheduled.append(
             ScheduledRequest(

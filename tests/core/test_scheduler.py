@@ -71,10 +71,14 @@ def test_one_budget_mixes_decodes_and_a_chunked_prefill(runner_factory):
     runner = runner_factory(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     runner.add("a", prompt(1, 5), 10)
     out = runner.step()
-    assert [(s.request.request_id, s.num_scheduled_tokens, s.sample) for s in out.scheduled] == [("a", 5, True)]
+    assert [(s.request.request_id, s.num_scheduled_tokens, s.sample) for s in out.scheduled] == [
+        ("a", 5, True)
+    ]
     runner.add("b", prompt(2, 20), 3)
     out = runner.step()
-    assert [(s.request.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample) for s in out.scheduled] == [
+    assert [
+        (s.request.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.sample) for s in out.scheduled
+    ] == [
         ("a", 5, 1, True),
         ("b", 0, 7, False),
     ]
