@@ -276,13 +276,15 @@ def _parse_params(items: Sequence[str]) -> dict[str, str]:
     return params
 
 
-def _start_openai_shim(args: argparse.Namespace, server: TritonServer) -> subprocess.Popen | None:
+def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: str) -> subprocess.Popen | None:
     """Start the OpenAI shim beside the server when it is installed and wanted."""
     if args.no_openai or importlib.util.find_spec(OPENAI_MODULE) is None:
         return None
     cmd = [
         sys.executable, "-m", OPENAI_MODULE,
         "--triton-url", server.grpc_url,
+        "--metrics-url", server.metrics_url,
+        "--model", model,
         "--host", args.host,
         "--port", str(args.openai_port),
     ]  # fmt: skip
@@ -357,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             server.start()
             server.wait_ready(args.ready_timeout)
-            shim = _start_openai_shim(args, server)
+            shim = _start_openai_shim(args, server, model)
             print(f"pagedserve is serving {model}", flush=True)
             print(f"  HTTP    http://{server.http_url}  (POST /v2/models/llm/generate_stream)", flush=True)
             print(f"  gRPC    {server.grpc_url}", flush=True)

@@ -161,6 +161,12 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
+@pytest.fixture
+def free_loopback_ports() -> list[int]:
+    """Four distinct free ports on 127.0.0.1 (HTTP, gRPC, metrics, OpenAI)."""
+    return free_ports(4)
+
+
 @pytest.fixture(scope="session")
 def triton_server(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
     """tritonserver with the whole pagedserve repository and the tiny Llama; stopped at session end."""

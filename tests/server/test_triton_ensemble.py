@@ -3,6 +3,8 @@ streamed text is byte-exact, over HTTP and gRPC, and matches what the llm model 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -23,8 +25,10 @@ def test_http_generate_stream_through_the_ensemble_is_byte_exact(triton_server, 
     whole = triton_server.generate("ensemble", body)
     assert events
     assert "".join(e["text_output"] for e in events) == whole["text_output"]
-    llm = triton_server.generate("llm", {"text_input": prompt, "sampling_parameters": (
-        '{"max_tokens": 24, "temperature": 1.0, "seed": %d}' % len(prompt)), "exclude_input_in_output": True})
+    sampling = json.dumps({"max_tokens": 24, "temperature": 1.0, "seed": len(prompt)})
+    llm = triton_server.generate(
+        "llm", {"text_input": prompt, "sampling_parameters": sampling, "exclude_input_in_output": True}
+    )
     assert whole["text_output"] == llm["text_output"]
 
 

@@ -4,12 +4,10 @@ n > 1, the return_* outputs, 32 concurrent streams, cancellation and metrics."""
 from __future__ import annotations
 
 import json
-import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,133 @@
+"""`pagedserve serve`: the generated repository and backend layout, and (slow) the launcher serving the
+default SmolLM2 model end to end, then stopping with no process left behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from pagedserve.client.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    TritonInstall,
+    fill_parameters,
+    find_tritonserver,
+    layout_backend_dir,
+    prepare_model_repository,
+)
+
+CONFIG = '''backend: "python"
+parameters { key: "model" value: { string_value: "" } }
+parameters { key: "max_model_len" value: { string_value: "2048" } }
+'''
+
+
+def test_fill_parameters_sets_the_named_string_values_with_quotes_escaped():
+    text = fill_parameters(CONFIG, {"model": '/models/my "best" model', "max_model_len": "4096"})
+    assert 'key: "model" value: { string_value: "/models/my \\"best\\" model" }' in text
+    assert 'key: "max_model_len" value: { string_value: "4096" }' in text
+
+
+def test_fill_parameters_strict_refuses_a_parameter_the_config_lacks():
+    with pytest.raises(ValueError, match="max_model_length"):
+        fill_parameters(CONFIG, {"max_model_length": "4096"}, strict=True)
+
+
+def test_prepare_model_repository_fills_the_model_everywhere_and_leaves_the_source_alone(tmp_path):
+    source_llm = (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text()
+    target = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, tmp_path / "repo", "/m/tiny", {"max_num_seqs": "8"})
+    assert sorted(p.name for p in target.iterdir()) == ["ensemble", "llm", "postprocessing", "preprocessing"]
+    llm = (target / "llm" / "config.pbtxt").read_text()
+    assert 'key: "model" value: { string_value: "/m/tiny" }' in llm
+    assert 'key: "max_num_seqs" value: { string_value: "8" }' in llm
+    for step in ("preprocessing", "postprocessing"):
+        assert 'key: "tokenizer" value: { string_value: "/m/tiny" }' in (target / step / "config.pbtxt").read_text()
+    assert (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text() == source_llm
+
+
+def test_backend_layout_uses_the_stub_built_for_this_python(tmp_path):
+    install = find_tritonserver()
+    backends = layout_backend_dir(install, tmp_path)
+    if install.python_backend is None:
+        assert backends is None  # a system tritonserver brings its own backends
+        return
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = backends / "python" / "triton_python_backend_stub"
+    assert stub.read_bytes() == (install.stub_dir / version / stub.name).read_bytes()
+    assert (backends / "python" / "libtriton_python.so").exists()
+
+
+def test_backend_layout_refuses_a_python_without_a_stub(tmp_path):
+    empty_stubs = tmp_path / "stubs"
+    empty_stubs.mkdir()
+    install = TritonInstall(binary=Path("tritonserver"), python_backend=tmp_path, stub_dir=empty_stubs)
+    with pytest.raises(RuntimeError, match="no triton_python_backend_stub for Python"):
+        layout_backend_dir(install, tmp_path / "work")
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.slow
+def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_path, free_loopback_ports):
+    http_port, grpc_port, metrics_port, openai_port = free_loopback_ports
+    work_dir = tmp_path / "tmp"
+    work_dir.mkdir()
+    env = {**os.environ, "TMPDIR": str(work_dir)}  # the launcher's generated files land here
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.client.cli", "serve", f"--http-port={http_port}",
+         f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", f"--openai-port={openai_port}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while _get(f"http://127.0.0.1:{http_port}/v2/health/ready") != 200:
+            assert launcher.poll() is None, launcher.stdout.read()
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(1)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v2/models/llm/generate",
+            data=json.dumps({"text_input": "The capital of France is", "max_tokens": 8, "temperature": 0,
+                             "exclude_input_in_output": True}).encode(),
+        )
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            text = json.loads(reply.read())["text_output"]
+        assert text.strip()
+        if importlib.util.find_spec("pagedserve.client.openai_server") is not None:
+            while _get(f"http://127.0.0.1:{openai_port}/v1/models") != 200:
+                assert time.monotonic() < deadline, "the OpenAI shim did not come up"
+                time.sleep(1)
+        assert _processes_mentioning(str(work_dir)), "tritonserver should run from the generated folder"
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, output
+    assert f"http://127.0.0.1:{http_port}" in output
+    assert _get(f"http://127.0.0.1:{http_port}/v2/health/live") == 0
+    assert _get(f"http://127.0.0.1:{openai_port}/v1/models") == 0
+    assert _processes_mentioning(str(work_dir)) == []
