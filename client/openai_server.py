@@ -393,7 +393,11 @@ def completion_logprobs(entries: list[dict], top: int, text_offset: int) -> dict
         offsets.append(text_offset)
         text_offset += len(entry["token"])
         if top > 0:
-            tops.append({t["token"]: t["logprob"] for t in entry.get("top_logprobs", [])[:top]})
+            ranked: dict[str, float] = {}
+            for candidate in entry.get("top_logprobs", [])[:top]:
+                # Tokens that decode alike (partial UTF-8 shows as U+FFFD) keep the best logprob.
+                ranked.setdefault(candidate["token"], candidate["logprob"])
+            tops.append(ranked)
         else:
             tops.append(None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,6 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,16 @@ STARTUP_TIMEOUT_SECONDS = 60
 IDLE_TIMEOUT_SECONDS = 60
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def shim_url(triton_server) -> Iterator[str]:
     """`python -m pagedserve.client.openai_server` in front of the session tritonserver."""
-    (port,) = free_ports(1)
+    port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.client.openai_server", "--triton-url", triton_server.grpc_url,
          "--metrics-url", f"http://{triton_server.metrics_url.split('//')[-1]}", "--host", "127.0.0.1",
@@ -150,7 +156,7 @@ def test_logprobs_of_greedy_tokens_are_the_top_ones(client):
     result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
     logprobs = result.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == result.usage.completion_tokens
-    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
         assert len(top) <= 3 and chosen <= 0 and chosen == pytest.approx(max(top.values()))
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
                                           temperature=0, logprobs=True, top_logprobs=2)
