@@ -164,6 +164,13 @@ class BlockManager:
         """
         bs = self.block_size
         table = self.block_tables.get(request.request_id)
+        if table is not None and not new_computed_blocks:
+            # Fast path for decodes: the held blocks already cover the new tokens and need no copy.
+            start = request.num_computed_tokens
+            if start + num_new_tokens <= len(table) * bs and (
+                start % bs == 0 or self.blocks[table[start // bs]].ref_cnt == 1
+            ):
+                return []
         num_held = 0 if table is None else len(table)
         start = request.num_computed_tokens + num_new_computed_tokens
         num_required = max(0, -(-(start + num_new_tokens) // bs) - num_held - len(new_computed_blocks))

@@ -11,6 +11,8 @@ from .config import CacheConfig, SchedulerConfig
 from .errors import InvalidRequestError, ServerBusyError
 from .request import Request, RequestStatus
 
+_RUNNING = RequestStatus.RUNNING
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -120,7 +122,7 @@ class Scheduler:
         """Plan one step: running requests (decode or next prefill chunk), then admit waiting ones."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self.running = [r for r in self.running if r.status == _RUNNING]
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_ids:
             budget = self._schedule_waiting(out, budget)
@@ -130,17 +132,21 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Record the step's results: computed tokens advance, sampled tokens append, full blocks cache."""
-        bm = self.block_manager
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        bs = self.block_size
         for sched in out.scheduled:
             request = sched.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status != _RUNNING:
                 continue
-            request.num_computed_tokens += sched.num_scheduled_tokens
+            before = request.num_computed_tokens
+            after = request.num_computed_tokens = before + sched.num_scheduled_tokens
             if sched.sample:
                 token = sampled.get(request.request_id)
                 if token is not None:
-                    request.append_output_token_id(token)
-            bm.cache_full_blocks(request)
+                    request.output_token_ids.append(token)
+                    request.all_token_ids.append(token)
+            if after // bs != before // bs:
+                cache_full_blocks(request)
 
     def fork_request(self, parent_id: str, child: Request) -> None:
         """Start `child` as a running copy of the parent that shares all its KV blocks.
@@ -192,21 +198,23 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         running = self.running
-        bm = self.block_manager
+        allocate_slots = self.block_manager.allocate_slots
         index = 0
         while index < len(running) and budget > 0:
             request = running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             if request.paused or num_new <= 0:
                 index += 1
                 continue
-            new_block_ids = bm.allocate_slots(request, num_new)
+            new_block_ids = allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = running.pop()
                 self._preempt(victim, out)
                 if victim is request:
                     break
-                new_block_ids = bm.allocate_slots(request, num_new)
+                new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
             self._add_scheduled(out, request, num_new, new_block_ids)
@@ -249,12 +257,12 @@ class Scheduler:
         computed = request.num_computed_tokens
         out.scheduled.append(
             ScheduledRequest(
-                request=request,
-                num_scheduled_tokens=num_new,
-                num_computed_tokens=computed,
-                block_ids=self.block_manager.block_tables[request.request_id],
-                new_block_ids=new_block_ids,
-                sample=computed + num_new == request.num_tokens,
+                request,
+                num_new,
+                computed,
+                self.block_manager.block_tables[request.request_id],
+                new_block_ids,
+                computed + num_new == len(request.all_token_ids),
             )
         )
 
