@@ -114,7 +114,11 @@ class Scheduler:
         if self._num_waiting >= cfg.max_num_waiting:
             raise ServerBusyError(f"server busy: {self._num_waiting} requests already waiting")
         request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
         self.requests[request.request_id] = request
+        if len(self.waiting) > 2 * self._num_waiting + 64:
+            # Aborted requests stay queued until they reach the head; drop them in one amortised pass.
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
         self.waiting.append(request)
         self._num_waiting += 1
 

@@ -319,3 +319,16 @@ def test_kv_cache_usage_tracks_held_blocks(runner_factory):
     runner.add("a", prompt(1, 8), 5)
     runner.step()
     assert runner.scheduler.kv_cache_usage() == pytest.approx(0.2)
+
+
+def test_requests_aborted_while_queued_do_not_pile_up_behind_a_blocked_head(runner_factory):
+    runner = runner_factory(num_blocks=4, block_size=4, max_model_len=16)
+    runner.add("big", prompt(1, 12), 4)
+    runner.step()
+    runner.add("head", prompt(2, 12), 4)  # cannot be admitted while "big" runs
+    for i in range(1000):
+        runner.add(f"gone{i}", prompt(3, 4), 2)
+        runner.scheduler.abort(f"gone{i}")
+    assert runner.scheduler.num_waiting == 1
+    assert len(runner.scheduler.waiting) < 100
+    assert set(runner.run()) == {"big", "head"}
