@@ -240,8 +240,15 @@ class TritonPythonModel:
                 self._handle(item)
             except Exception as error:  # noqa: BLE001 - one bad response must not stop the others
                 pb_utils.Logger.log_error(f"pagedserve response thread: {error!r}")
-                if item[0] in ("output", "error", "cancelled"):
-                    self._send_error(item[1], error)
+                if item[0] == "output":
+                    self._try_send_error(item[1], error)
+
+    def _try_send_error(self, request: _InFlight, error: BaseException) -> None:
+        """End a request whose response could not be built; the client may already be gone."""
+        try:
+            self._send_error(request, error)
+        except Exception as send_error:  # noqa: BLE001
+            pb_utils.Logger.log_error(f"pagedserve could not end request {request.request_id}: {send_error!r}")
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]
