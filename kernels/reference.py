@@ -46,6 +46,69 @@ def _gather_kv(
     return blocks.view(s, nb * bs, h, d).transpose(1, 2)
 
 
+def _decode_attention(
+    query: torch.Tensor,  # [S, Hq, D], one query per sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    seq_lens: torch.Tensor,  # [S] int64
+    scale: float,
+    max_seqlen_k: int,
+) -> torch.Tensor:  # -> [S, Hq, D]
+    """One query per sequence: no padding and no causal structure beyond the length mask."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
+    k = _gather_kv(key_cache, block_tables, num_blocks).to(query.dtype)  # [S, Hkv, Lk, D]
+    v = _gather_kv(value_cache, block_tables, num_blocks).to(query.dtype)
+    q = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    key_pos = torch.arange(k.shape[2], device=query.device)
+    mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, Lk]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(num_seqs, num_q_heads, head_dim)
+
+
+def _chunk_attention(
+    query: torch.Tensor,  # [T, Hq, D], the chunks of these sequences back to back
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int64
+    seq_lens: torch.Tensor,  # [S] int64
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> torch.Tensor:  # -> [T, Hq, D]
+    """Causal attention of query chunks padded to max_seqlen_q, over their gathered context."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = seq_lens.numel()
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
+    k = _gather_kv(key_cache, block_tables, num_blocks).to(query.dtype)  # [S, Hkv, Lk, D]
+    v = _gather_kv(value_cache, block_tables, num_blocks).to(query.dtype)
+    seq_idx, pos_in_chunk = _token_coordinates(cu_seqlens_q, num_tokens)
+    q_pad = query.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim)
+    q_pad[seq_idx, pos_in_chunk] = query
+    # Rows ordered (query position, group member) so one mask row serves the whole GQA group.
+    q = (
+        q_pad.view(num_seqs, max_seqlen_q, num_kv_heads, group, head_dim)
+        .permute(0, 2, 1, 3, 4)
+        .reshape(num_seqs, num_kv_heads, max_seqlen_q * group, head_dim)
+    )
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    chunk = torch.arange(max_seqlen_q, device=query.device)
+    key_pos = torch.arange(k.shape[2], device=query.device)
+    # Padded query rows still see key 0, so no row is fully masked (no NaN); they are dropped below.
+    q_pos = (seq_lens - q_lens)[:, None] + chunk[None, :]  # [S, Lq]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
+    mask = mask[:, None, :, None, :].expand(-1, 1, -1, group, -1)
+    mask = mask.reshape(num_seqs, 1, max_seqlen_q * group, k.shape[2])
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    o = o.view(num_seqs, num_kv_heads, max_seqlen_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    return o[seq_idx, pos_in_chunk].reshape(num_tokens, num_q_heads, head_dim)
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -58,44 +121,38 @@ def paged_attention(
     max_seqlen_k: int,
     out: torch.Tensor | None = None,  # [T, Hq, D]
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its paged K/V, batched over all sequences."""
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_seqs = seq_lens.numel()
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
-    k = _gather_kv(key_cache, block_tables, num_blocks).to(query.dtype)  # [S, Hkv, Lk, D]
-    v = _gather_kv(value_cache, block_tables, num_blocks).to(query.dtype)
-    key_pos = torch.arange(k.shape[2], device=query.device)
+    """Causal attention of each sequence's new queries over its paged K/V, batched over all sequences.
+
+    Decodes and prefill chunks go in two batches (one K/V gather each), so decodes are never padded to
+    the longest chunk of the step.
+    """
+    num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     seq_lens = seq_lens.long()
-
-    if num_tokens == num_seqs and max_seqlen_q == 1:
-        # Decode-only step: one query per sequence, no padding and no causal structure beyond the length.
-        q = query.view(num_seqs, num_kv_heads, group, head_dim)
-        mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, Lk]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        result = o.reshape(num_tokens, num_q_heads, head_dim)
+    cu_seqlens_q = cu_seqlens_q.long()
+    if max_seqlen_q == 1 and num_tokens == num_seqs:
+        result = _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seqlen_k)
     else:
-        seq_idx, pos_in_chunk = _token_coordinates(cu_seqlens_q.long(), num_tokens)
-        q_pad = query.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim)
-        q_pad[seq_idx, pos_in_chunk] = query
-        # Rows ordered (query position, group member) so one mask row serves the whole GQA group.
-        q = (
-            q_pad.view(num_seqs, max_seqlen_q, num_kv_heads, group, head_dim)
-            .permute(0, 2, 1, 3, 4)
-            .reshape(num_seqs, num_kv_heads, max_seqlen_q * group, head_dim)
-        )
-        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-        chunk = torch.arange(max_seqlen_q, device=query.device)
-        # Padded query rows still see key 0, so no row is fully masked (no NaN); they are dropped below.
-        q_pos = (seq_lens - q_lens)[:, None] + chunk[None, :]  # [S, Lq]
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
-        mask = mask[:, None, :, None, :].expand(-1, 1, -1, group, -1)
-        mask = mask.reshape(num_seqs, 1, max_seqlen_q * group, k.shape[2])
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        o = o.view(num_seqs, num_kv_heads, max_seqlen_q, group, head_dim).permute(0, 2, 1, 3, 4)
-        result = o[seq_idx, pos_in_chunk].reshape(num_tokens, num_q_heads, head_dim)
-
+        q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        is_decode = q_lens == 1
+        num_decodes = int(is_decode.sum())
+        if num_decodes in (0, num_seqs):
+            result = _chunk_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                      scale, max_seqlen_q, max_seqlen_k)
+        else:
+            result = torch.empty_like(query)
+            dec = is_decode.nonzero().squeeze(1)
+            dec_tokens = cu_seqlens_q[dec]
+            result[dec_tokens] = _decode_attention(
+                query[dec_tokens], key_cache, value_cache, block_tables[dec], seq_lens[dec], scale,
+                int(seq_lens[dec].max()),
+            )
+            pre = (~is_decode).nonzero().squeeze(1)
+            pre_token_mask = ~is_decode.repeat_interleave(q_lens, output_size=num_tokens)
+            pre_cu = torch.nn.functional.pad(q_lens[pre].cumsum(0), (1, 0))
+            result[pre_token_mask] = _chunk_attention(
+                query[pre_token_mask], key_cache, value_cache, block_tables[pre], pre_cu, seq_lens[pre],
+                scale, max_seqlen_q, int(seq_lens[pre].max()),
+            )
     if out is None:
         return result
     out.copy_(result)
