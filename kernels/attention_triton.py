@@ -57,25 +57,32 @@ def _attend_range(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # operand dtype of both tl.dot calls
     DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # False: the caller guarantees every key in range is visible to every row
 ):
-    """Online-softmax accumulation of the keys in [key_start, key_end), causal per row."""
+    """Online-softmax accumulation of the keys in [key_start, key_end), causal per row when MASKED."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(key_start, key_end, BLOCK_N):
         key_pos = start + offs_n  # [BLOCK_N]
         key_valid = key_pos < key_end
-        block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        if MASKED:
+            block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
+            kv_mask = key_valid[:, None] & d_mask[None, :]
+        else:
+            block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
+            kv_mask = d_mask[None, :]
+        block_ids = block_ids.to(tl.int64)
         in_block = (key_pos % BLOCK_SIZE).to(tl.int64)
         k_off = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
         v_off = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        kv_mask = key_valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len) & key_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len) & key_valid[None, :]
+            s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
@@ -145,11 +152,18 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Keys before the tile's first query position are visible to every row: no mask work for them.
+    unmasked_end = (context_len + q_tile * BLOCK_Q) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        kv_head, q_pos, 0, key_end, seq_len, qk_scale,
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, 0, unmasked_end, seq_len, qk_scale,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False,
+    )
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, unmasked_end, key_end, seq_len,
+        qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -205,11 +219,18 @@ def _split_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    # A decode query sees its whole context: only the ragged last tile of the split needs a mask.
+    unmasked_end = key_start + tl.maximum(key_end - key_start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
-        kv_head, q_pos, key_start, key_end, seq_len, qk_scale,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, key_start, unmasked_end, seq_len,
+        qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False,
+    )
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, unmasked_end, key_end, seq_len,
+        qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True,
     )
     row = (seq * (GROUP * tl.num_programs(1)) + q_head) * NUM_SPLITS + split  # [BLOCK_M] int64
     tl.store(part_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
@@ -331,7 +352,9 @@ def paged_attention(
         )
         return out
 
-    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
+    # Long prefill chunks get the big tiles that keep tensor cores busy; decodes fill 16 rows at most.
+    block_m = 16 if decode_only else (128 if max_seqlen_q >= 256 else 64)
+    block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     block_n = 64 if max_seqlen_k >= 64 else 16
     num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
@@ -340,6 +363,6 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides, block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=4 if decode_only else 8, num_stages=2,
+        num_warps=4 if block_m <= 64 else 8, num_stages=2 if block_m <= 64 else 3,
     )
     return out

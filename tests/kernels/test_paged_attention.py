@@ -128,6 +128,14 @@ def test_triton_mixed_prefill_and_decode_batch_equals_reference(num_kv_heads, gr
                                per_sequence_attention(batch), **FP32_TOL)
 
 
+@pytest.mark.parametrize("group", [1, 8])
+def test_triton_long_prefill_chunk_uses_large_tiles_and_equals_reference(group):
+    # A chunk of >= 256 queries takes the 128-row tiles; a decode rides along in the same launch.
+    batch = make_batch([(260, 300), (1, 70)], 1, group, 64, 16, seed=7)
+    torch.testing.assert_close(attention_triton.paged_attention(*batch.args()),
+                               per_sequence_attention(batch), **FP32_TOL)
+
+
 @pytest.mark.parametrize("head_dim", [96, 128, 256])
 def test_triton_pads_larger_head_sizes(head_dim):
     batch = make_batch([(5, 20), (1, 17)], 1, 2, head_dim, 16, seed=2)
