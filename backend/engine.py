@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .beam_search import BeamGroup
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .errors import InvalidRequestError
 from .model import ModelArchConfig, load_eos_token_ids, load_tokenizer
@@ -19,8 +20,8 @@ from .model_runner import ModelRunner, ModelRunnerOutput
 from .outputs import EngineStats, RequestOutput
 from .request import Request, RequestStatus
 from .request_group import RequestGroup, SequenceState
-from .sampler import Sampler, compute_logprobs
-from .sampling_params import SamplingParams
+from .sampler import Sampler, SamplerOutput, compute_logprobs
+from .sampling_params import MAX_SEED, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,9 @@ _CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
     ),
     SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_waiting"),
 }
-_MAX_SEED = 2**63 - 1
 
 FaultInjector = Callable[[SchedulerOutput], None]
+Group = RequestGroup | BeamGroup
 
 
 class LLMEngine:
@@ -59,9 +60,10 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         # Test hook: called with the SchedulerOutput before each forward; raising fails that step's requests.
         self.fault_injector: FaultInjector | None = None
-        self._groups: dict[str, RequestGroup] = {}
+        self._groups: dict[str, Group] = {}
         self._seq_of: dict[str, tuple[RequestGroup, SequenceState]] = {}
-        self._to_report: dict[str, RequestGroup] = {}
+        self._beam_of: dict[str, BeamGroup] = {}
+        self._to_report: dict[str, Group] = {}
         self._id_counter = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -109,7 +111,11 @@ class LLMEngine:
             )
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         if params.beam_width > 1:
-            raise InvalidRequestError("beam search (beam_width > 1) is not supported yet", "beam_width")
+            for name in ("stop", "prompt_logprobs"):
+                if getattr(params, name):
+                    raise InvalidRequestError(
+                        f"{name} is not supported with beam search (beam_width > 1)", name
+                    )
         salt = None
         if params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so such a request never hits the cache.
@@ -118,9 +124,28 @@ class LLMEngine:
             request_id, token_ids, params, arrival_time=arrival_time, cache_salt=salt, group_id=request_id
         )
         self.scheduler.add_request(request)
+        if params.beam_width > 1:
+            self._check_beams_fit(request)
+            beam = BeamGroup(request_id, prompt, request, params, self.eos_token_ids, self._decode)
+            self._groups[request_id] = self._beam_of[request_id] = beam
+            return
         group = RequestGroup(request_id, prompt, params, self._new_sequence(0, request))
         self._groups[request_id] = group
         self._seq_of[request_id] = (group, group.seqs[0])
+
+    def _check_beams_fit(self, request: Request) -> None:
+        """All beams live at once, so the pool must hold the shared prompt plus every beam's own tail."""
+        block_size = self.cache_config.block_size
+        shared = request.num_prompt_tokens // block_size
+        per_beam = -(-(request.num_prompt_tokens + request.max_tokens) // block_size) - shared
+        needed = shared + request.sampling_params.beam_width * per_beam
+        if needed > self.runner.num_blocks:
+            self.scheduler.abort(request.request_id)
+            raise InvalidRequestError(
+                f"beam_width {request.sampling_params.beam_width} with max_tokens {request.max_tokens} needs "
+                f"{needed} KV blocks, more than the whole cache ({self.runner.num_blocks} blocks)",
+                "beam_width",
+            )
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         """The prompt's token ids, from the ids when given, else by tokenizing the text."""
@@ -150,18 +175,14 @@ class LLMEngine:
     def _new_sequence(self, index: int, request: Request) -> SequenceState:
         return SequenceState(index, request, self.tokenizer, request.sampling_params)
 
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
     def abort_request(self, request_id: str) -> None:
         """Abort a user request (all its sequences); its final output comes from the next step()."""
         group = self._groups.get(request_id)
-        if group is None:
-            return
-        ids = [s.request.request_id for s in group.seqs if s.finish_reason is None]
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        group.num_pending_forks = 0
-        for seq in group.seqs:
-            if seq.finish_reason is None:
-                seq.finish(RequestStatus.FINISHED_ABORTED)
-        self._to_report[request_id] = group
+        if group is not None and not group.finished:
+            self._end_group(group, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running, or has a final output not yet returned."""
@@ -176,33 +197,62 @@ class LLMEngine:
             try:
                 if self.fault_injector is not None:
                     self.fault_injector(sched)
-                runner_out = self.runner.execute(sched)
-                self._process(sched, runner_out)
+                self._process(sched, self.runner.execute(sched))
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
                 logger.exception("step failed; ending its %d requests with an error", len(sched.scheduled))
                 self._fail_step(sched, f"{type(exc).__name__}: {exc}")
         else:
             self.scheduler.update_from_output(sched, {})
+            if self.scheduler.num_waiting and self._beam_of:
+                self._release_stalled_beams()
         return self._collect_outputs()
 
+    def _release_stalled_beams(self) -> None:
+        """Nothing could run: beams that wait for preempted siblings hold the blocks those siblings need.
+
+        The newest such beam group gives its blocks back; its beams recompute once readmitted.
+        """
+        holding = {
+            id(g): g for g in self._beam_of.values() if any(r.status == RequestStatus.RUNNING for r in g.live)
+        }
+        if not holding:
+            return
+        group = max(holding.values(), key=lambda g: g.arrival_time)
+        running = [r for r in group.live if r.status == RequestStatus.RUNNING]
+        logger.info(
+            "beam group %s releases %d beams' blocks to break a stall", group.request_id, len(running)
+        )
+        self.scheduler.finish_requests([r.request_id for r in running], RequestStatus.FINISHED_STOPPED)
+        for request in running:
+            self.scheduler.add_request(request)
+
     def _process(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
-        """Sample, advance the scheduler, fork n>1 children, then apply stop conditions."""
+        """Sample, advance the scheduler, fork n>1 children, step beam searches, apply stop conditions."""
         self._record_prompt_logprobs(runner_out)
-        seqs = [self._seq_of[rid] for rid in runner_out.sample_request_ids]
-        rows = list(range(len(seqs)))
-        requests = [seq.request for _, seq in seqs]
+        rows: list[int] = []
+        requests: list[Request] = []
         children: list[tuple[RequestGroup, Request]] = []
-        for row, (group, seq) in enumerate(seqs):
+        ready_beams: dict[str, BeamGroup] = {}
+        for row, rid in enumerate(runner_out.sample_request_ids):
+            beam = self._beam_of.get(rid)
+            if beam is not None:
+                if beam.add_logits(rid, runner_out.sample_logits[row]):
+                    ready_beams[beam.request_id] = beam
+                continue
+            group, seq = self._seq_of[rid]
+            rows.append(row)
+            requests.append(seq.request)
             if group.num_pending_forks and seq.index == 0:
                 for child in self._make_children(group):
                     children.append((group, child))
                     requests.append(child)
                     rows.append(row)
-        logits = runner_out.sample_logits
-        if len(rows) != logits.shape[0]:
-            logits = logits[rows]
-        sampled = self.sampler(logits, requests)
-        tokens = dict(zip((r.request_id for r in requests), sampled.token_ids, strict=True))
+        sampled = self.sampler(runner_out.sample_logits[rows], requests) if requests else None
+        tokens = (
+            {}
+            if sampled is None
+            else dict(zip((r.request_id for r in requests), sampled.token_ids, strict=True))
+        )
         self.scheduler.update_from_output(sched, tokens)
         for group, child in children:
             self.scheduler.fork_request(group.seqs[0].request.request_id, child)
@@ -211,6 +261,28 @@ class LLMEngine:
             group.seqs.append(seq)
             group.num_pending_forks -= 1
             self._seq_of[child.request_id] = (group, seq)
+        if sampled is not None:
+            self._apply_tokens(requests, sampled)
+        for beam in ready_beams.values():
+            self._advance_beam(beam)
+
+    def _make_children(self, group: RequestGroup) -> list[Request]:
+        """The n-1 sibling Requests of a group whose prompt is now computed; seeds are offset per index."""
+        parent = group.seqs[0].request
+        children = []
+        for index in range(1, 1 + group.num_pending_forks):
+            params = group.params
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=(params.seed + index) % MAX_SEED)
+            children.append(
+                Request(
+                    f"{group.request_id}#{index}", parent.prompt_token_ids, params, group_id=group.request_id
+                )
+            )
+        return children
+
+    def _apply_tokens(self, requests: list[Request], sampled: SamplerOutput) -> None:
+        """Record each sampled token and finish the sequences it stops."""
         finished: dict[RequestStatus, list[str]] = {}
         for i, request in enumerate(requests):
             group, seq = self._seq_of[request.request_id]
@@ -226,20 +298,20 @@ class LLMEngine:
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
 
-    def _make_children(self, group: RequestGroup) -> list[Request]:
-        """The n-1 sibling Requests of a group whose prompt is now computed; seeds are offset per index."""
-        parent = group.seqs[0].request
-        children = []
-        for index in range(1, 1 + group.num_pending_forks):
-            params = group.params
-            if params.seed is not None:
-                params = dataclasses.replace(params, seed=(params.seed + index) % _MAX_SEED)
-            children.append(
-                Request(
-                    f"{group.request_id}#{index}", parent.prompt_token_ids, params, group_id=group.request_id
-                )
-            )
-        return children
+    def _advance_beam(self, beam: BeamGroup) -> None:
+        """One beam-search step for a group whose live beams all have their logits."""
+        if beam.live[0].num_output_tokens == 0:
+            self._prompt_tokens += beam.live[0].num_prompt_tokens
+        dropped = beam.advance(self.scheduler)
+        self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_STOPPED)
+        for rid in dropped:
+            self._beam_of.pop(rid, None)
+        for request in beam.live:
+            self._beam_of[request.request_id] = beam
+        if beam.finished:
+            self._to_report[beam.request_id] = beam
+        else:
+            self._generation_tokens += len(beam.live)
 
     def _record_prompt_logprobs(self, runner_out: ModelRunnerOutput) -> None:
         """Fill prompt logprobs for the prompt rows this step computed."""
@@ -274,20 +346,16 @@ class LLMEngine:
 
     def _fail_step(self, sched: SchedulerOutput, error: str) -> None:
         """End every user request with a sequence in this step with finish_reason "error"."""
-        groups = {
-            self._seq_of[s.request.request_id][0].request_id: self._seq_of[s.request.request_id][0]
-            for s in sched.scheduled
-        }
-        for group in groups.values():
-            ids = [s.request.request_id for s in group.seqs if s.finish_reason is None]
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            group.num_pending_forks = 0
-            group.error = error
-            for seq in group.seqs:
-                if seq.finish_reason is None:
-                    seq.finish(RequestStatus.FINISHED_ERROR)
-            self._to_report[group.request_id] = group
+        for item in sched.scheduled:
+            group = self._groups.get(item.request.group_id or item.request.request_id)
+            if group is not None and not group.finished:
+                self._end_group(group, RequestStatus.FINISHED_ERROR, error)
         self.scheduler.update_from_output(sched, {})
+
+    def _end_group(self, group: Group, status: RequestStatus, error: str | None = None) -> None:
+        """Abort or fail every unfinished sequence of a user request; it reports on the next step."""
+        self.scheduler.finish_requests(group.end(status, error), status)
+        self._to_report[group.request_id] = group
 
     def _collect_outputs(self) -> list[RequestOutput]:
         """Outputs of the groups touched since the last step; finished groups are forgotten."""
@@ -300,8 +368,12 @@ class LLMEngine:
         self._to_report.clear()
         return outputs
 
-    def _forget(self, group: RequestGroup) -> None:
+    def _forget(self, group: Group) -> None:
         del self._groups[group.request_id]
+        if isinstance(group, BeamGroup):
+            for request in group.live:
+                self._beam_of.pop(request.request_id, None)
+            return
         for seq in group.seqs:
             self._seq_of.pop(seq.request.request_id, None)
             self.sampler.free(seq.request.request_id)

@@ -90,6 +90,17 @@ class RequestGroup:
         """True once every sequence, those still to be forked included, has finished."""
         return self.num_pending_forks == 0 and all(s.finish_reason is not None for s in self.seqs)
 
+    def end(self, status: RequestStatus, error: str | None = None) -> list[str]:
+        """Abort or fail: finish every unfinished sequence; returns their request ids."""
+        self.num_pending_forks = 0
+        self.error = error
+        ids = []
+        for seq in self.seqs:
+            if seq.finish_reason is None:
+                seq.finish(status)
+                ids.append(seq.request.request_id)
+        return ids
+
     def output(self) -> RequestOutput:
         """The RequestOutput for this moment."""
         first = self.seqs[0].request
