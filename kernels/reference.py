@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
+
+_local = threading.local()
 
 
 def reshape_and_cache(
@@ -37,13 +41,48 @@ def _token_coordinates(cu_seqlens_q: torch.Tensor, num_tokens: int) -> tuple[tor
     return seq_idx, pos_in_chunk
 
 
+def _workspace(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer reused across calls (per thread): a fresh multi-MB allocation page-faults on every
+    layer, which costs several times the copy itself on the CPU. It only grows, to the largest step seen."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    key = (slot, dtype, device)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _kv_rows(block_tables: torch.Tensor, num_blocks: int, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """Row ids into a cache viewed as [num_blocks * block_size * Hkv, D], ordered [S, Hkv, L]."""
+    device = block_tables.device
+    blocks = block_tables[:, :num_blocks].long()  # [S, nb]
+    slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [S, L]
+    heads = torch.arange(num_kv_heads, device=device)
+    return (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+
+
 def _gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
-) -> torch.Tensor:  # -> [S, Hkv, num_blocks * block_size, D]
-    """One gather of every sequence's first num_blocks blocks, heads moved before positions."""
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [S, nb, BS, Hkv, D]
-    s, nb, bs, h, d = blocks.shape
-    return blocks.view(s, nb * bs, h, d).transpose(1, 2)
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
+    rows: torch.Tensor,  # from _kv_rows
+    num_seqs: int,
+    slot: str,
+) -> torch.Tensor:  # -> [S, Hkv, L, D], valid until the next gather into the same slot
+    """One index_select of every sequence's context, already in SDPA's heads-before-positions layout."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    out = _workspace(slot, rows.numel() * head_dim, cache.dtype, cache.device).view(-1, head_dim)
+    torch.index_select(cache.view(-1, head_dim), 0, rows, out=out)
+    return out.view(num_seqs, num_kv_heads, -1, head_dim)
+
+
+def _gather_kv_pair(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # -> K, V: [S, Hkv, L, D]
+    """Gather K and V of the first ceil(max_seqlen_k / block_size) blocks of every sequence."""
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
+    rows = _kv_rows(block_tables, num_blocks, block_size, num_kv_heads)
+    num_seqs = block_tables.shape[0]
+    return (_gather_kv(key_cache, rows, num_seqs, "key"), _gather_kv(value_cache, rows, num_seqs, "value"))
 
 
 def _decode_attention(
@@ -57,10 +96,9 @@ def _decode_attention(
 ) -> torch.Tensor:  # -> [S, Hq, D]
     """One query per sequence: no padding and no causal structure beyond the length mask."""
     num_seqs, num_q_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
-    k = _gather_kv(key_cache, block_tables, num_blocks).to(query.dtype)  # [S, Hkv, Lk, D]
-    v = _gather_kv(value_cache, block_tables, num_blocks).to(query.dtype)
+    num_kv_heads = key_cache.shape[2]
+    k, v = _gather_kv_pair(key_cache, value_cache, block_tables, max_seqlen_k)  # [S, Hkv, Lk, D]
+    k, v = k.to(query.dtype), v.to(query.dtype)
     q = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     key_pos = torch.arange(k.shape[2], device=query.device)
     mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, Lk]
@@ -82,11 +120,10 @@ def _chunk_attention(
     """Causal attention of query chunks padded to max_seqlen_q, over their gathered context."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.numel()
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
-    k = _gather_kv(key_cache, block_tables, num_blocks).to(query.dtype)  # [S, Hkv, Lk, D]
-    v = _gather_kv(value_cache, block_tables, num_blocks).to(query.dtype)
+    k, v = _gather_kv_pair(key_cache, value_cache, block_tables, max_seqlen_k)  # [S, Hkv, Lk, D]
+    k, v = k.to(query.dtype), v.to(query.dtype)
     seq_idx, pos_in_chunk = _token_coordinates(cu_seqlens_q, num_tokens)
     q_pad = query.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim)
     q_pad[seq_idx, pos_in_chunk] = query
