@@ -69,23 +69,39 @@ class Sampler:
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(requests)} requests")
         logits = logits.float()
         params = [r.sampling_params for r in requests]
-        lse = torch.logsumexp(logits, dim=-1)
-        adjusted = self._apply_min_tokens(logits, requests)
+        adjusted, banned_rows = self._apply_min_tokens(logits, requests)
         adjusted = apply_penalties(adjusted, requests)
 
-        temps = [p.temperature for p in params]
-        random_rows = [i for i, t in enumerate(temps) if t >= _TEMPERATURE_EPS]
-        chosen = adjusted.argmax(dim=-1)
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            chosen[rows] = self._sample_random(adjusted[rows], [requests[i] for i in random_rows])
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= _TEMPERATURE_EPS]
+        lse = torch.empty(len(requests), device=logits.device)
+        have_lse = [False] * len(requests)
+        if len(random_rows) == len(requests):
+            chosen, sampled_lse = self._sample_random(adjusted, requests)
+            rows = list(range(len(requests)))
+        else:
+            chosen = adjusted.argmax(dim=-1)
+            rows = random_rows
+            if random_rows:
+                index = torch.tensor(random_rows, device=logits.device)
+                chosen[index], sampled_lse = self._sample_random(
+                    adjusted[index], [requests[i] for i in random_rows]
+                )
+        # Where the sampled distribution is the model's own, its normaliser is the raw one: no second pass.
+        same = [j for j, i in enumerate(rows) if i not in banned_rows and _samples_raw_distribution(params[i])]
+        if same:
+            lse[[rows[j] for j in same]] = sampled_lse[same]
+            for j in same:
+                have_lse[rows[j]] = True
+        missing = [i for i, ok in enumerate(have_lse) if not ok]
+        if missing:
+            lse[missing] = torch.logsumexp(logits[missing], dim=-1)
 
         chosen_logprobs = logits.gather(1, chosen[:, None]).squeeze(1) - lse
         top_logprobs = _top_logprobs(logits, lse, chosen, params)
         return SamplerOutput(chosen.tolist(), chosen_logprobs.tolist(), top_logprobs)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Any]) -> torch.Tensor:
-        # Until min_tokens outputs exist, no token that would end the request may be drawn.
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Any]) -> tuple[torch.Tensor, set[int]]:
+        """Until min_tokens outputs exist, no token that would end the request may be drawn."""
         banned: list[tuple[int, int]] = []
         for i, r in enumerate(requests):
             p = r.sampling_params
@@ -96,32 +112,54 @@ class Sampler:
                 stops |= self.eos_token_ids
             banned.extend((i, t) for t in stops if 0 <= t < logits.shape[1])
         if not banned:
-            return logits
+            return logits, set()
         logits = logits.clone()
         rows, cols = zip(*banned, strict=True)
         logits[list(rows), list(cols)] = -float("inf")
-        return logits
+        return logits, set(rows)
 
-    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Any]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw one token per row; also return each row's logsumexp of the (scaled, masked) logits."""
         # logits: [S, V] of the rows with temperature > 0
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temps[:, None]
-        logits = _apply_top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
+        temps = [p.temperature for p in params]
+        inv_temp = None
+        if any(t != 1.0 for t in temps):
+            inv_temp = 1.0 / torch.tensor(temps, device=device)[:, None]
+        logits = _apply_top_k_top_p(logits, params, inv_temp)
+        # Unnormalised probs exp((x - max) / T): the draw needs no normalisation, and the row maximum
+        # is exactly 1, which is what min_p scales.
+        row_max = logits.amax(dim=-1, keepdim=True)
+        probs = logits - row_max
+        if inv_temp is not None:
+            probs.mul_(inv_temp)
+        probs.exp_()
         min_ps = [p.min_p for p in params]
         if any(m > 0 for m in min_ps):
-            min_p = torch.tensor(min_ps, device=device)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws i with probability p_i / sum(p),
-        # so unnormalised, masked probs need no renormalisation.
-        noise = torch.empty_like(probs).exponential_()
+            min_p = torch.tensor(min_ps, device=device)[:, None]
+            probs.masked_fill_(probs < min_p, 0.0)
+        cdf = probs.cumsum_(dim=-1)
+        total = cdf[:, -1]
+        scaled_max = row_max.squeeze(1) if inv_temp is None else (row_max * inv_temp).squeeze(1)
+        return self._draw(cdf, requests), scaled_max + total.log()
+
+    def _draw(self, cdf: torch.Tensor, requests: Sequence[Any]) -> torch.Tensor:
+        """Inverse-CDF draw: one uniform per row instead of one random number per vocab entry."""
+        # cdf: [S, V] cumulative unnormalised probs, flat where a token is masked
+        device = cdf.device
+        uniforms = torch.rand(len(requests), device=device, dtype=torch.float64)
         for row, r in enumerate(requests):
             if r.sampling_params.seed is not None:
-                noise[row].exponential_(generator=self._generator(r, device))
-        return probs.div_(noise).argmax(dim=-1)
+                # A seeded row draws from its own generator only, so other rows cannot shift its stream.
+                uniforms[row] = torch.rand(1, generator=self._generator(r, device), device=device,
+                                           dtype=torch.float64)
+        total = cdf[:, -1:]
+        # Strictly below the total, so the first cdf entry above it always exists and is a token with
+        # non-zero probability (the cdf only rises at such tokens).
+        below_total = torch.nextafter(total, torch.zeros_like(total))
+        target = torch.minimum((uniforms[:, None] * total).to(cdf.dtype), below_total)
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
     def _generator(self, request: Any, device: torch.device) -> torch.Generator:
         gen = self._generators.get(request.request_id)
@@ -176,8 +214,24 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[Any]) -> torch.Tensor:
-    """Mask to -inf what top-k, then top-p (over the top-k-renormalised distribution), exclude."""
+def _samples_raw_distribution(p: Any) -> bool:
+    """True when sampling draws from the model's unmodified softmax (no temperature, masks, penalties)."""
+    return (
+        p.temperature == 1.0
+        and (not p.top_k or p.top_k <= 0)
+        and p.top_p >= 1.0
+        and p.min_p <= 0.0
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+    )
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, params: Sequence[Any], inv_temp: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mask to -inf what top-k, then top-p (over the top-k-renormalised distribution at the row's
+    temperature, `inv_temp` = 1/T per row or None for all 1), exclude."""
     # logits: [S, V]
     vocab = logits.shape[1]
     ks = [p.top_k if p.top_k and p.top_k > 0 else vocab for p in params]
@@ -196,7 +250,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[Any]) -> torch.Ten
     positions = torch.arange(vocab, device=logits.device)
     k = torch.tensor(ks, device=logits.device)
     sorted_logits = sorted_logits.masked_fill(positions[None, :] >= k[:, None], -float("inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    sorted_probs = torch.softmax(sorted_logits if inv_temp is None else sorted_logits * inv_temp, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     top_p = torch.tensor(top_ps, device=logits.device)
     # Keep a token while the mass ahead of it is below top_p; rows with top_p == 1 keep all.

@@ -194,3 +194,24 @@ def test_compute_logprobs_matches_log_softmax():
     for i, top in enumerate(tops):
         best = torch.topk(ref[i], 3).indices.tolist()
         assert set(top) == set(best) | {targets[i]}
+
+
+def test_draws_follow_the_distribution():
+    row = row_from_probs([0.5, 0.3, 0.15])
+    rows = 4000
+    requests = [make_request(f"d{i}", SamplingParams(temperature=1.0, seed=i)) for i in range(rows)]
+    out = Sampler({EOS})(row.expand(rows, -1).clone(), requests)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).float() / rows
+    assert counts[:3].tolist() == pytest.approx([0.5, 0.3, 0.15], abs=0.03)
+    assert float(counts[3:].sum()) == pytest.approx(0.05, abs=0.02)
+
+
+def test_sampled_logprobs_are_the_raw_log_softmax_whatever_the_params():
+    logits = torch.randn(4, 4096, generator=torch.Generator().manual_seed(6)) * 3
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, seed=2),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=3), SamplingParams(temperature=0.0)]
+    requests = [make_request(f"lp{i}", p) for i, p in enumerate(params)]
+    out = Sampler({EOS})(logits, requests)
+    raw = torch.log_softmax(logits.double(), -1)
+    expected = [float(raw[i, t]) for i, t in enumerate(out.token_ids)]
+    assert out.logprobs == pytest.approx(expected, abs=1e-5)
