@@ -269,7 +269,8 @@ def _split_reduce_kernel(
 
 def _dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
     """The cache dtype, except bf16 under the CPU interpreter, whose bf16 tl.dot is wrong (triton 3.9)."""
-    if cache_dtype == torch.float32 or (cache_dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"):
+    interpreting = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    if cache_dtype == torch.float32 or (cache_dtype == torch.bfloat16 and interpreting):
         return tl.float32
     return tl.float16 if cache_dtype == torch.float16 else tl.bfloat16
 
