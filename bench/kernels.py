@@ -1,7 +1,7 @@
 """Kernel benchmarks.
 
-`python bench/kernels.py cpu` times the torch reference (the engine's CPU path) against the slow
-per-sequence loop it replaced and a plain-matmul decode, per layer, and writes bench/results/kernels_cpu.json.
+`python bench/kernels.py cpu` times the torch reference (the engine's CPU path) against a per-sequence
+loop (one gather and one SDPA per sequence), per layer, and writes bench/results/kernels_cpu.json.
 `python bench/kernels.py gpu-check --out DIR` is what bench/gpu_check.sh runs on a GPU machine: kernel
 correctness at real sizes, decode bandwidth, prefill TFLOP/s against SDPA, engine tokens/s.
 `--dry-run` runs gpu-check at tiny sizes on the CPU (TRITON_INTERPRET=1) to prove the wiring.
@@ -121,20 +121,6 @@ def per_sequence_loop(query, key_cache, value_cache, block_tables, cu_seqlens_q,
     return out
 
 
-def matmul_decode(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, _, max_k):
-    """Decode with batched matmuls and an explicit softmax instead of SDPA (an alternative CPU path)."""
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    num_seqs, group = seq_lens.numel(), query.shape[1] // num_kv_heads
-    nb = -(-max_k // block_size)
-    k = key_cache[block_tables[:, :nb].long()].flatten(1, 2).permute(0, 2, 3, 1)  # [S, Hkv, D, L]
-    v = value_cache[block_tables[:, :nb].long()].flatten(1, 2).transpose(1, 2)  # [S, Hkv, L, D]
-    q = query.view(num_seqs, num_kv_heads, group, -1)
-    scores = torch.matmul(q, k) * scale
-    mask = torch.arange(k.shape[-1])[None, :] >= seq_lens[:, None].long()
-    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-    return torch.matmul(scores.softmax(-1), v).view_as(query)
-
-
 def run_cpu(args: argparse.Namespace) -> dict:
     """Per-layer attention time of the CPU paths, SmolLM2-135M heads (9 query, 3 KV, D 64), block 16."""
     from pagedserve.kernels import reference
@@ -149,8 +135,7 @@ def run_cpu(args: argparse.Namespace) -> dict:
             pa, counts = paged_batch(lens, *heads, 16, dtype, device)
             row = {"phase": "decode", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
                    "context": context}
-            for name, fn in (("reference_ms", reference.paged_attention), ("matmul_ms", matmul_decode),
-                             ("per_sequence_ms", per_sequence_loop)):
+            for name, fn in (("reference_ms", reference.paged_attention), ("per_sequence_ms", per_sequence_loop)):
                 row[name] = round(bench_ms(lambda fn=fn, pa=pa: fn(*pa), device, 2, args.rep), 3)
             row["speedup_vs_per_sequence"] = round(row["per_sequence_ms"] / row["reference_ms"], 2)
             rows.append(row)
