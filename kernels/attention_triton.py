@@ -275,6 +275,13 @@ def _dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
     return tl.float16 if cache_dtype == torch.float16 else tl.bfloat16
 
 
+def _block_n(max_seqlen_k: int, head_pad: int) -> int:
+    """Keys per inner step: 64, fewer for short contexts or head sizes above 128 (shared memory)."""
+    if max_seqlen_k < 64:
+        return 16
+    return 64 if head_pad <= 128 else 32
+
+
 def _num_decode_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int, device: torch.device) -> int:
     """Split the context only when (sequence, KV head) programs cannot fill the GPU and contexts are long."""
     if device.type != "cuda" or max_seqlen_k < 1024:
@@ -335,7 +342,7 @@ def paged_attention(
         num_splits = _num_decode_splits(num_seqs, num_kv_heads, max_seqlen_k, query.device)
     if decode_only and num_splits > 1:
         num_splits = triton.next_power_of_2(num_splits)
-        block_n = 64 if max_seqlen_k >= 64 else 16
+        block_n = _block_n(max_seqlen_k, head_pad)
         keys_per_split = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), block_n) * block_n
         part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_pad, dtype=torch.float32,
                                device=query.device)
@@ -349,21 +356,24 @@ def paged_attention(
         )
         _split_reduce_kernel[(num_seqs, num_q_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, num_warps=4,
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            num_warps=8 if num_splits * head_pad >= 8192 else 4,
         )
         return out
 
     # Long prefill chunks get the big tiles that keep tensor cores busy; decodes fill 16 rows at most.
-    block_m = 16 if decode_only else (128 if max_seqlen_q >= 256 else 64)
+    # Head sizes above 128 keep 64-row tiles and two stages so K/V tiles fit in shared memory.
+    big_tiles = not decode_only and max_seqlen_q >= 256 and head_pad <= 128
+    block_m = 16 if decode_only else (128 if big_tiles else 64)
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
-    block_n = 64 if max_seqlen_k >= 64 else 16
+    block_n = _block_n(max_seqlen_k, head_pad)
     num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
     _paged_attention_kernel[(num_q_tiles, num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, num_seqs, qk_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides, block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=4 if block_m <= 64 else 8, num_stages=2 if block_m <= 64 else 3,
+        num_warps=8 if big_tiles else 4, num_stages=3 if big_tiles else 2,
     )
     return out
