@@ -114,6 +114,14 @@ def test_torch_reference_single_phase_batches_equal_per_sequence_attention(lens)
                                **FP32_TOL)
 
 
+def test_torch_reference_results_do_not_depend_on_earlier_calls():
+    # The reference reuses one gather workspace across calls; a smaller step in between must not leak.
+    big, small = make_batch(MIXED, 2, 4, 64, 16, seed=8), make_batch(DECODES[:2], 2, 4, 64, 16, seed=9)
+    first = reference.paged_attention(*big.args())
+    reference.paged_attention(*small.args())
+    assert torch.equal(reference.paged_attention(*big.args()), first)
+
+
 def test_torch_reference_in_bf16_stays_close_to_fp32_attention():
     batch = make_batch(MIXED, 2, 4, 64, 16, dtype=torch.bfloat16)
     out = reference.paged_attention(*batch.args())
