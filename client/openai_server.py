@@ -114,6 +114,7 @@ class GenerationRequest:
 
     @property
     def n(self) -> int:
+        """Completions per prompt."""
         return int(self.sampling.get("n", 1))
 
 
@@ -455,12 +456,14 @@ class OpenAIShim:
 
     @property
     def client(self) -> TritonLLMClient:
+        """The gRPC client of the `llm` model."""
         # Made on first use so the gRPC channel binds to the running event loop.
         if self._client is None:
             self._client = TritonLLMClient(self.settings.triton_url)
         return self._client
 
     async def close(self) -> None:
+        """Close the gRPC channel, if one was opened."""
         if self._client is not None:
             await self._client.close()
 
@@ -478,6 +481,7 @@ class OpenAIShim:
         return Path(self.settings.model_path)
 
     async def chat_template(self) -> ChatTemplate:
+        """The model folder's chat template, read once."""
         if self._chat_template is None:
             folder = await self.model_dir()
             try:
@@ -495,10 +499,12 @@ class OpenAIShim:
         return self._tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def check_model(self, name: str) -> None:
+        """404 model_not_found unless `name` is the served model id."""
         if name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
     def model_card(self) -> dict:
+        """The served model as /v1/models lists it."""
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}
 
     def triton_streams(self, request: GenerationRequest, request_id: str) -> list[AsyncIterator[LLMResponse]]:
@@ -560,6 +566,7 @@ class Generation:
         self.prompt_tokens = [0] * len(request.prompts)
 
     async def prompt_texts(self) -> list[str]:
+        """Each prompt as text (token-id prompts decoded), for echo."""
         return [p if isinstance(p, str) else await self.shim.decode(p) for p in self.request.prompts]
 
     def _absorb(self, prompt_index: int, response: LLMResponse) -> list[tuple[int, str, list[dict]]]:
@@ -582,6 +589,7 @@ class Generation:
         return updates
 
     def usage(self) -> dict:
+        """Usage summed over every prompt and choice so far."""
         return usage_body(sum(self.prompt_tokens), sum(c.num_output_tokens for c in self.choices))
 
     def _logprobs(self, entries: list[dict], state: ChoiceState) -> dict | None:

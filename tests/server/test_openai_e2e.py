@@ -111,6 +111,14 @@ def test_completion_batch_of_prompts_and_echo(client):
     assert result.choices[1].text == "Hello" + single.choices[0].text
 
 
+def test_token_id_prompt_completes_like_its_text(client, tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == tokenizer.decode(ids) + by_text.choices[0].text
+
+
 def test_chat_uses_the_chat_template_and_streams_the_same_text(client, tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
