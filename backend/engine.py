@@ -51,6 +51,7 @@ class LLMEngine:
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        ModelArchConfig.from_pretrained(model_config.model)  # a missing or unsupported model fails first
         self.tokenizer = load_tokenizer(model_config.model)
         self.runner = ModelRunner(model_config, cache_config, scheduler_config)
         arch: ModelArchConfig = self.runner.arch

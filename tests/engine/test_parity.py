@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from pagedserve.backend.engine import LLMEngine
 from pagedserve.backend.sampling_params import SamplingParams
 
@@ -29,8 +30,13 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 def test_staggered_batch_matches_transformers_greedy_per_prompt(model_fixture, request, hf_reference):
     path = request.getfixturevalue(model_fixture)
     engine = LLMEngine.from_pretrained(
-        str(path), dtype="float32", device="cpu", block_size=4, num_blocks=24,
-        max_num_batched_tokens=8, max_num_seqs=8,
+        str(path),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_blocks=24,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
     )
     prompts = _prompts(engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
@@ -67,7 +73,12 @@ def test_sharded_mistral_checkpoint_matches_transformers(tiny_mistral_path, hf_r
 
 def test_prompt_logprobs_match_transformers(tiny_qwen2_path, hf_reference):
     engine = LLMEngine.from_pretrained(
-        str(tiny_qwen2_path), dtype="float32", device="cpu", block_size=4, num_blocks=32, max_num_batched_tokens=8
+        str(tiny_qwen2_path),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        num_blocks=32,
+        max_num_batched_tokens=8,
     )
     prompt = _prompts(engine.vocab_size)[5]
     # A first request caches the prefix; prompt logprobs must still cover every position.
@@ -78,3 +89,20 @@ def test_prompt_logprobs_match_transformers(tiny_qwen2_path, hf_reference):
     got = [entry[tok] for entry, tok in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
     assert got == pytest.approx(hf_reference.prompt_logprobs(tiny_qwen2_path, prompt), abs=1e-4)
     assert all(2 <= len(entry) <= 3 for entry in out.prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_prompt_logprobs_stay_close_to_fp32_transformers(tiny_llama_path, hf_reference, dtype):
+    engine = LLMEngine.from_pretrained(
+        str(tiny_llama_path),
+        dtype=dtype,
+        device="cpu",
+        block_size=4,
+        num_blocks=32,
+        max_num_batched_tokens=16,
+    )
+    assert engine.runner.key_caches[0].dtype == getattr(torch, dtype)
+    prompt = _prompts(engine.vocab_size)[6]
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    got = [entry[tok] for entry, tok in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+    assert got == pytest.approx(hf_reference.prompt_logprobs(tiny_llama_path, prompt), abs=0.1)
