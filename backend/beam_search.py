@@ -62,7 +62,7 @@ class BeamSearch:
             log_probs = log_probs.clone()
             log_probs[:, sorted(self.eos_token_ids)] = -float("inf")
         vocab = log_probs.shape[1]
-        total = (log_probs + torch.tensor(scores, dtype=torch.float32)[:, None]).reshape(-1)
+        total = (log_probs + torch.tensor(scores, dtype=torch.float32, device=log_probs.device)[:, None]).reshape(-1)
         keep = min(max(2, 1 + len(self.eos_token_ids)) * self.width, total.numel())
         top_scores, top_ids = torch.topk(total, keep)
         length = num_generated + 1

@@ -231,3 +231,28 @@ def test_stats_count_tokens_and_prefix_hits(engine):
     assert stats.generation_tokens == 9
     assert stats.prefix_cache_hits >= 16
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_unsupported_rope_scaling_is_refused_at_load(tiny_llama_path, tmp_path):
+    folder = tmp_path / "yarn"
+    shutil.copytree(tiny_llama_path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="yarn.*llama3"):
+        LLMEngine.from_pretrained(str(folder))
+
+
+def test_missing_model_folder_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        LLMEngine.from_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_closing_a_stream_early_aborts_its_request(engine):
+    stream = engine.stream(PROMPT, greedy(max_tokens=20))
+    next(stream)
+    stream.close()
+    outs = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("stream-0", "abort")]
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats().kv_cache_usage == 0.0
