@@ -418,6 +418,62 @@ def run_gpu_check(args: argparse.Namespace) -> dict:
     return report
 
 
+# ------------------------------------------------------------------------- ahead-of-time compile
+
+
+def _aot_launches() -> list:
+    """Run every launcher on small CPU tensors with serving-like shapes, recording the kernels' launches."""
+    from pagedserve.kernels import attention_triton, cache_triton, elementwise_triton
+    from pagedserve.kernels.aot import record_launches
+
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+    with record_launches(attention_triton, cache_triton, elementwise_triton) as launches:
+        # (query heads, KV heads, head size): Llama-3-8B, SmolLM2-135M, Qwen2-0.5B, head size 80, 256.
+        for hq, hkv, d in ((32, 8, 128), (9, 3, 64), (14, 2, 64), (32, 32, 80), (16, 8, 256)):
+            for lens, splits in (([(1, 4096)] * 2, None), ([(1, 4096)] * 2, 8), ([(64, 1024), (1, 900)], None),
+                                 ([(512, 512), (1, 900)], None)):
+                pa, _ = paged_batch(lens, hq, hkv, d, 16, bf16, cpu)
+                attention_triton.paged_attention(*pa, num_splits=splits)
+            q, k = torch.randn(4, hq, d, dtype=bf16), torch.randn(4, hkv, d, dtype=bf16)
+            elementwise_triton.rotary_embedding(torch.arange(4), q, k, torch.randn(64, d, dtype=bf16))
+            cache = torch.zeros(8, 16, hkv, d, dtype=bf16)
+            cache_triton.reshape_and_cache(k, k, cache, cache, torch.arange(4))
+            cache_triton.copy_blocks([cache], [cache], [(0, 1)])
+        for hidden, inter in ((4096, 14336), (576, 1536)):
+            x = torch.randn(4, hidden, dtype=bf16)
+            elementwise_triton.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5, x)
+            elementwise_triton.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5)
+            elementwise_triton.silu_and_mul(torch.randn(4, 2 * inter, dtype=bf16))
+    return launches
+
+
+def run_aot(args: argparse.Namespace) -> dict:
+    """Compile every launch configuration for sm_<arch> without a GPU; report registers and spills."""
+    import triton
+    from pagedserve.kernels.aot import SM90_MAX_SHARED_BYTES, compile_launch, specialise
+
+    rows, seen = [], set()
+    for launch in _aot_launches():
+        signature, constexprs, _, options = specialise(launch)
+        key = (launch.fn.__name__, repr(sorted(signature.items())),
+               repr(sorted((k, str(v)) for k, v in constexprs.items())), repr(sorted(options.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.perf_counter()
+        try:
+            row = compile_launch(launch, args.arch)
+        except Exception as exc:  # noqa: BLE001 - one failing configuration is a finding, not a crash
+            row = {"kernel": launch.fn.__name__, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        row["compile_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        log(json.dumps(row))
+    # Any stack use in these kernels means register spills.
+    ok = all("error" not in r and r["shared_bytes"] <= SM90_MAX_SHARED_BYTES and r["stack_bytes"] == 0 for r in rows)
+    return {"target": f"sm_{args.arch}", "triton": triton.__version__, "all_fit_without_spills": ok,
+            "configs": rows}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -433,7 +489,16 @@ def main() -> int:
     gpu.add_argument("--parts", default="correctness,decode,prefill,engine")
     gpu.add_argument("--model", default=None, help="model folder for the engine part (default: SmolLM2 if found)")
     gpu.add_argument("--peak-gbps", type=float, default=H200_PEAK_GBPS)
+    aot = sub.add_parser("aot", help="compile every kernel configuration for a GPU target, no GPU needed")
+    aot.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    aot.add_argument("--out", default=str(REPO / "bench" / "results" / "kernels_aot_sm90.json"))
     args = parser.parse_args()
+
+    if args.mode == "aot":
+        report = run_aot(args)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.out}; all_fit_without_spills={report['all_fit_without_spills']}")
+        return 0 if report["all_fit_without_spills"] else 1
 
     if args.mode == "cpu":
         report = run_cpu(args)

@@ -374,6 +374,7 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides, block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=8 if big_tiles else 4, num_stages=3 if big_tiles else 2,
+        num_warps=8 if big_tiles or (head_pad > 128 and not decode_only) else 4,
+        num_stages=3 if big_tiles else 2,
     )
     return out

@@ -148,7 +148,8 @@ def rotary_embedding(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads,
         Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HALF=half, HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        num_warps=8 if triton.next_power_of_2(num_q_heads) * half >= 2048 else 4,
     )
     return q_out, k_out
 
