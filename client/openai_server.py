@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,8 @@ from pagedserve.client.triton_client import (
 
 DEFAULT_PORT = 9000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# The key is better read from the environment than from a command line that `ps` shows.
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
 OPENAI_DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 # Fields taken as they are by both endpoints: OpenAI's sampling knobs plus vLLM's common extras.
@@ -846,7 +849,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--triton-url", default="localhost:8001", help="tritonserver gRPC address HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
     parser.add_argument("--model-name", default=None, help="model id served on /v1/models")
     parser.add_argument("--model", default=None, help="model folder (chat template); default: ask Triton")
     parser.add_argument("--metrics-url", default=None, help="Triton metrics URL (default: HOST:8002/metrics)")
