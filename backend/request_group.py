@@ -27,9 +27,11 @@ class SequenceState:
             tokenizer,
             request.prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
+            stop=params.stop if params.min_tokens == 0 else (),
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
+        self._stop_strings = params.stop
+        self._min_tokens = params.min_tokens
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -42,6 +44,9 @@ class SequenceState:
         self.cumulative_logprob += logprob
         if self.logprobs is not None:
             self.logprobs.append(top_logprobs if top_logprobs is not None else {token_id: logprob})
+        if self._min_tokens and self.request.num_output_tokens == self._min_tokens:
+            # Stop strings count only from min_tokens on (as in vLLM); earlier text is never searched.
+            self.detokenizer.stop = [s for s in self._stop_strings if s]
         stop = self.detokenizer.update([token_id])
         if stop is not None:
             self.stop_reason = stop

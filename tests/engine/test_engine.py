@@ -256,3 +256,13 @@ def test_closing_a_stream_early_aborts_its_request(engine):
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("stream-0", "abort")]
     assert not engine.has_unfinished_requests()
     assert engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_stop_strings_count_only_from_min_tokens_on(engine):
+    full = engine.generate(PROMPT, greedy(max_tokens=24))[0].outputs[0]
+    stop, cut = _straddling_stop_string(engine.tokenizer, full.token_ids, full.text)
+    early = engine.generate(PROMPT, greedy(max_tokens=24, stop=[stop]))[0].outputs[0]
+    delayed = engine.generate(PROMPT, greedy(max_tokens=24, stop=[stop], min_tokens=10))[0].outputs[0]
+    assert len(early.token_ids) < 10
+    assert len(delayed.token_ids) >= 10
+    assert delayed.text.startswith(full.text[: cut + len(stop)])
