@@ -266,3 +266,19 @@ def test_stop_strings_count_only_from_min_tokens_on(engine):
     assert len(early.token_ids) < 10
     assert len(delayed.token_ids) >= 10
     assert delayed.text.startswith(full.text[: cut + len(stop)])
+
+
+def test_kv_cache_is_sized_from_the_memory_budget_and_logged(tiny_llama_path, caplog):
+    # tiny llama: 2 layers, 2 KV heads of 16 dims; fp32 K and V: 2 * 2 * 16 * 2 * 16 * 4 = 8 KiB per block.
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    with caplog.at_level("INFO", logger="pagedserve.backend.model_runner"):
+        engine = LLMEngine.from_pretrained(
+            str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory_bytes=37 * block_bytes + 5
+        )
+    assert engine.runner.num_blocks == 37
+    assert engine.runner.key_caches[0].shape == (37, 16, 2, 16)
+    assert "37 blocks" in caplog.text
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        LLMEngine.from_pretrained(
+            str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory_bytes=100
+        )
