@@ -393,14 +393,21 @@ class LLMEngine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(params)} params for {len(prompts)} prompts", "params")
-        ids = []
-        for prompt, p in zip(prompts, params, strict=True):
-            rid = f"generate-{next(self._id_counter)}"
-            if isinstance(prompt, str):
-                self.add_request(rid, prompt, p)
-            else:
-                self.add_request(rid, None, p, prompt_token_ids=list(prompt))
-            ids.append(rid)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = f"generate-{next(self._id_counter)}"
+                if isinstance(prompt, str):
+                    self.add_request(rid, prompt, p)
+                else:
+                    self.add_request(rid, None, p, prompt_token_ids=list(prompt))
+                ids.append(rid)
+        except Exception:
+            # All or nothing: a refused prompt withdraws the ones queued before it.
+            for rid in ids:
+                self.abort_request(rid)
+            self.step()
+            raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
             for out in self.step():

@@ -282,3 +282,11 @@ def test_kv_cache_is_sized_from_the_memory_budget_and_logged(tiny_llama_path, ca
         LLMEngine.from_pretrained(
             str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory_bytes=100
         )
+
+
+def test_generate_with_one_bad_prompt_queues_none(engine):
+    with pytest.raises(InvalidRequestError) as info:
+        engine.generate([PROMPT, ""], greedy())
+    assert info.value.field == "prompt"
+    assert not engine.has_unfinished_requests()
+    assert engine.generate(PROMPT, greedy(max_tokens=3))[0].outputs[0].finish_reason == "length"
