@@ -21,6 +21,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise x (after adding residual, when given)."""
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -44,6 +45,7 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """Project to Q/K/V, rotate, write K/V into the paged cache, attend, project out."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -75,6 +77,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -97,6 +100,7 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer; returns (hidden, residual) with the residual add deferred to the next norm."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
