@@ -49,6 +49,17 @@ def tiny_llama3_rope_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_linear_rope_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2 with linear rope scaling (positions divided by 4)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-linear-rope"),
+        "qwen2",
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        seed=5,
+    )
+
+
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""

@@ -13,7 +13,13 @@ PROMPT_LENGTHS = [5, 9, 14, 22, 31, 40, 52, 70]
 SUBMIT_AT_STEP = [0, 0, 1, 2, 3, 5, 8, 12]
 SHARED_PREFIX = 20  # prompts 3.. start with the same 20 tokens: 5 full blocks of 4
 MAX_NEW_TOKENS = 10
-MODELS = ["tiny_llama_path", "tiny_qwen2_path", "tiny_tied_path", "tiny_llama3_rope_path"]
+MODELS = [
+    "tiny_llama_path",
+    "tiny_qwen2_path",
+    "tiny_tied_path",
+    "tiny_llama3_rope_path",
+    "tiny_linear_rope_path",
+]
 
 
 def _prompts(vocab_size: int) -> list[list[int]]:
