@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 _local = threading.local()
+# SDPA's enable_gqa (torch >= 2.5) lets a whole fresh prompt use the causal kernel without expanding K/V.
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def reshape_and_cache(
@@ -106,6 +108,22 @@ def _decode_attention(
     return o.reshape(num_seqs, num_q_heads, head_dim)
 
 
+def _fresh_prompt_attention(
+    query: torch.Tensor,  # [L, Hq, D], a whole prompt with nothing cached before it
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [1, max_blocks]
+    scale: float,
+) -> torch.Tensor:  # -> [L, Hq, D]
+    """Plain causal attention: SDPA's causal kernel needs no mask when queries and keys both start at 0."""
+    length = query.shape[0]
+    k, v = _gather_kv_pair(key_cache, value_cache, block_table, length)  # [1, Hkv, >= L, D]
+    k, v = k[:, :, :length].to(query.dtype), v[:, :, :length].to(query.dtype)
+    q = query.transpose(0, 1)[None]  # [1, Hq, L, D]
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
 def _chunk_attention(
     query: torch.Tensor,  # [T, Hq, D], the chunks of these sequences back to back
     key_cache: torch.Tensor,
@@ -172,7 +190,9 @@ def paged_attention(
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         is_decode = q_lens == 1
         num_decodes = int(is_decode.sum())
-        if num_decodes in (0, num_seqs):
+        if num_seqs == 1 and int(seq_lens[0]) == num_tokens and _SDPA_HAS_GQA:
+            result = _fresh_prompt_attention(query, key_cache, value_cache, block_tables, scale)
+        elif num_decodes in (0, num_seqs):
             result = _chunk_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                                       scale, max_seqlen_q, max_seqlen_k)
         else:

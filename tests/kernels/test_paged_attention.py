@@ -107,7 +107,8 @@ def test_torch_reference_equals_per_sequence_attention(num_kv_heads, group, head
                                **FP32_TOL)
 
 
-@pytest.mark.parametrize("lens", [DECODES, [(5, 20), (16, 16), (2, 40)]], ids=["decode-only", "prefill-only"])
+@pytest.mark.parametrize("lens", [DECODES, [(5, 20), (16, 16), (2, 40)], [(37, 37)]],
+                         ids=["decode-only", "prefill-only", "one-fresh-prompt"])
 def test_torch_reference_single_phase_batches_equal_per_sequence_attention(lens):
     batch = make_batch(lens, 2, 4, 64, 16)
     torch.testing.assert_close(reference.paged_attention(*batch.args()), per_sequence_attention(batch),
