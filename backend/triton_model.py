@@ -25,6 +25,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # is_cancelled() is a round trip to the server process: poll at most this often while generating.
 CANCEL_POLL_SECONDS = 0.02
 STATS_INTERVAL_SECONDS = 0.1
+GIL_YIELD_SECONDS = 2e-4
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
 
 _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
@@ -164,8 +165,10 @@ class TritonPythonModel:
             if active and now - last_poll >= CANCEL_POLL_SECONDS:
                 self._abort_cancelled(active)
                 last_poll = now
-            if engine.has_unfinished_requests():
-                self._step(active)
+            if engine.has_unfinished_requests() and self._step(active):
+                # Really sleep (not sleep(0)): the stub's own threads forward our responses to the server
+                # and need the GIL; a thread that steps back to back would starve them until it idles.
+                time.sleep(GIL_YIELD_SECONDS)
             if now - last_stats >= STATS_INTERVAL_SECONDS:
                 self._outbox.put(("stats", engine.get_stats()))
                 last_stats = now
@@ -197,7 +200,8 @@ class TritonPythonModel:
                 del active[request_id]
                 self._outbox.put(("cancelled", request))
 
-    def _step(self, active: dict[str, _InFlight]) -> None:
+    def _step(self, active: dict[str, _InFlight]) -> bool:
+        """Run one engine step and queue its outputs; True when there is something to send."""
         try:
             outputs = self._engine.step()
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
@@ -206,8 +210,11 @@ class TritonPythonModel:
                 self._engine.abort_request(request_id)
                 self._outbox.put(("error", request, RuntimeError(f"engine step failed: {error}")))
             active.clear()
-            return
+            return True
         now = time.monotonic()
+        if any(output.finished for output in outputs):
+            # Metrics first: a client that saw its last response then reads /metrics sees this step counted.
+            self._outbox.put(("stats", self._engine.get_stats()))
         for output in outputs:
             request = active.get(output.request_id)
             if request is None:
@@ -215,6 +222,7 @@ class TritonPythonModel:
             if output.finished:
                 del active[output.request_id]
             self._outbox.put(("output", request, output, now))
+        return bool(outputs)
 
     def _shutdown(self, active: dict[str, _InFlight]) -> None:
         error = RuntimeError("the llm model is shutting down")
