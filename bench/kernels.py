@@ -140,12 +140,12 @@ def run_cpu(args: argparse.Namespace) -> dict:
             row["speedup_vs_per_sequence"] = round(row["per_sequence_ms"] / row["reference_ms"], 2)
             rows.append(row)
             log(json.dumps(row))
-        for chunks in ((4, 128, 512), (1, 512, 512), (8, 64, 1024)):
-            num, q_len, context = chunks
-            lens = [(q_len, context)] * num + [(1, context)] * 16
+        for num, q_len, context, decodes in ((4, 128, 512, 16), (1, 512, 512, 16), (8, 64, 1024, 16),
+                                             (1, 1024, 1024, 0), (1, 512, 1536, 0)):
+            lens = [(q_len, context)] * num + [(1, context)] * decodes
             pa, counts = paged_batch(lens, *heads, 16, dtype, device)
-            row = {"phase": "mixed", "dtype": str(dtype).removeprefix("torch."), "prefill_chunks": num,
-                   "chunk": q_len, "context": context, "decodes": 16}
+            row = {"phase": "mixed" if decodes else "prefill", "dtype": str(dtype).removeprefix("torch."),
+                   "prefill_chunks": num, "chunk": q_len, "context": context, "decodes": decodes}
             row["reference_ms"] = round(bench_ms(lambda pa=pa: reference.paged_attention(*pa), device, 1, args.rep),
                                         3)
             row["per_sequence_ms"] = round(bench_ms(lambda pa=pa: per_sequence_loop(*pa), device, 1, args.rep), 3)
