@@ -169,6 +169,22 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: 
     return res
 
 
+def _replay_in_cuda_graph(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Capture fn (after a warm-up on a side stream, as CUDA graphs require) and return one replay's output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def gpu_correctness(device: torch.device, dry: bool) -> list[dict]:
     """Every Triton kernel against its torch reference at serving sizes (tiny sizes in a dry run)."""
     from pagedserve.kernels import attention_triton, cache_triton, elementwise_triton, reference
@@ -194,6 +210,11 @@ def gpu_correctness(device: torch.device, dry: bool) -> list[dict]:
             got = attention_triton.paged_attention(*pd, num_splits=splits)
             results.append(_check(f"paged_attention decode splits={splits} Hq={hq} Hkv={hkv} D={d}", got, want,
                                   2e-2, 2e-2))
+        if device.type == "cuda":
+            for splits in (1, 8):
+                got = _replay_in_cuda_graph(lambda s=splits, pd=pd: attention_triton.paged_attention(*pd, num_splits=s))
+                results.append(_check(f"paged_attention decode in a CUDA graph splits={splits} D={d}", got, want,
+                                      2e-2, 2e-2))
     # A pool past 2**31 elements with the far blocks in use: int64 addressing at real scale.
     per_block = 16 * 8 * 128
     big_blocks = 2**31 // per_block + 1024 if not dry else 64
