@@ -47,7 +47,8 @@ def _workspace(slot: str, numel: int, dtype: torch.dtype, device: torch.device) 
     """A flat buffer reused across calls (per thread): a fresh multi-MB allocation page-faults on every
     layer, which costs several times the copy itself on the CPU. It only grows, to the largest step seen."""
     buffers = _local.__dict__.setdefault("buffers", {})
-    key = (slot, dtype, device)
+    # A buffer made under inference_mode cannot be written outside it (and the reverse), so each mode has its own.
+    key = (slot, dtype, device, torch.is_inference_mode_enabled())
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
