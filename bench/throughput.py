@@ -219,13 +219,41 @@ def summarise(result: RunResult | None) -> dict | None:
     return {**asdict(result), "tok_s": round(result.tok_s, 2), "req_s": round(result.req_s, 3)}
 
 
+def write_record(out: Path, rows: list[dict], args: argparse.Namespace, workload: Workload, model: str) -> None:
+    """The JSON summary: the first dtype's figures at the top level, every run under `runs`."""
+    primary = rows[0]
+    ours = primary["pagedserve"]["tok_s"]
+    hf = (primary["transformers"] or {}).get("tok_s")
+    vllm = (primary["vllm"] or {}).get("tok_s")
+    record = {
+        "dtype": primary["dtype"],
+        "num_requests": args.num_requests,
+        "pagedserve_tok_s": ours,
+        "transformers_tok_s": hf,
+        "vllm_tok_s": vllm,
+        "ratio_vs_transformers": ratio(ours, hf),
+        "ratio_vs_vllm": ratio(ours, vllm),
+        "vllm_note": primary["vllm_note"],
+        "runs": rows,
+        "workload": workload.description,
+        "model": Path(model).name,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
+                   f"{args.threads} thread(s) per system, torch {torch.__version__}",
+        "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF model folder (default: the converted SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--median-prompt", type=int, default=64)
-    parser.add_argument("--median-output", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=256, help="clip for prompt and output lengths")
+    # Sized so one run of all three systems in both dtypes fits in well under an hour on 2 shared cores.
+    parser.add_argument("--median-prompt", type=int, default=48)
+    parser.add_argument("--median-output", type=int, default=32)
+    parser.add_argument("--max-len", type=int, default=192, help="clip for prompt and output lengths")
     parser.add_argument("--quick", action="store_true", help="32 requests with shorter lengths")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32")
     parser.add_argument("--seed", type=int, default=0)
@@ -264,43 +292,26 @@ def main() -> None:
         dtype = DTYPES[name.strip()]
         print(f"[{name}] pagedserve...", file=sys.stderr, flush=True)
         ours = run_pagedserve(model, dtype, workload, kv_bytes)
-        hf = None
-        if not args.skip_transformers:
-            print(f"[{name}] transformers...", file=sys.stderr, flush=True)
-            hf = run_transformers(model, dtype, workload, args.hf_batch_size)
+        print(f"[{name}] pagedserve {ours.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
         vllm, note = None, vllm_note
         if vllm_py is not None:
             print(f"[{name}] vllm...", file=sys.stderr, flush=True)
             try:
                 vllm, note = run_vllm(vllm_py, model, dtype, workload, kv_bytes, max_model_len, args.threads), ""
+                print(f"[{name}] vllm {vllm.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
             except RuntimeError as exc:
                 note = str(exc)
                 print(f"[{name}] vLLM skipped: {note}", file=sys.stderr)
+        hf = None
+        if not args.skip_transformers:
+            print(f"[{name}] transformers...", file=sys.stderr, flush=True)
+            hf = run_transformers(model, dtype, workload, args.hf_batch_size)
+            print(f"[{name}] transformers {hf.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
         rows.append({"dtype": name, "pagedserve": summarise(ours), "transformers": summarise(hf),
                      "vllm": summarise(vllm), "vllm_note": note or None})
-
+        # Written after every dtype so a long run that is cut short still leaves its results.
+        write_record(Path(args.output), rows, args, workload, model)
     print_table(rows)
-    primary = rows[0]
-    record = {
-        "dtype": primary["dtype"],
-        "num_requests": args.num_requests,
-        "pagedserve_tok_s": primary["pagedserve"]["tok_s"],
-        "transformers_tok_s": (primary["transformers"] or {}).get("tok_s"),
-        "vllm_tok_s": (primary["vllm"] or {}).get("tok_s"),
-        "ratio_vs_transformers": ratio(primary["pagedserve"]["tok_s"], (primary["transformers"] or {}).get("tok_s")),
-        "ratio_vs_vllm": ratio(primary["pagedserve"]["tok_s"], (primary["vllm"] or {}).get("tok_s")),
-        "vllm_note": primary["vllm_note"],
-        "runs": rows,
-        "workload": workload.description,
-        "model": Path(model).name,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads "
-                   f"{args.threads}, torch {torch.__version__}",
-        "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
-    }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
