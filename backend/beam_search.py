@@ -62,7 +62,9 @@ class BeamSearch:
             log_probs = log_probs.clone()
             log_probs[:, sorted(self.eos_token_ids)] = -float("inf")
         vocab = log_probs.shape[1]
-        total = (log_probs + torch.tensor(scores, dtype=torch.float32, device=log_probs.device)[:, None]).reshape(-1)
+        total = (
+            log_probs + torch.tensor(scores, dtype=torch.float32, device=log_probs.device)[:, None]
+        ).reshape(-1)
         keep = min(max(2, 1 + len(self.eos_token_ids)) * self.width, total.numel())
         top_scores, top_ids = torch.topk(total, keep)
         length = num_generated + 1
@@ -159,8 +161,11 @@ class BeamGroup:
     def _fork(self, scheduler: Any, parent: Request) -> Request:
         """A new beam sharing the parent's blocks; the copy of a parent whose KV is incomplete (preempted) recomputes."""
         self._num_forks += 1
+        child_id = f"{self.request_id}#beam{self._num_forks}"
+        while scheduler.get_request(child_id) is not None:
+            child_id += "'"
         child = Request(
-            f"{self.request_id}#beam{self._num_forks}",
+            child_id,
             parent.prompt_token_ids,
             parent.sampling_params,
             group_id=self.request_id,

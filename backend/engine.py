@@ -103,7 +103,7 @@ class LLMEngine:
         """Validate and queue a request; bad input raises InvalidRequestError naming the field."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
-        if request_id in self._groups:
+        if request_id in self._groups or request_id in self._seq_of or request_id in self._beam_of:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -275,12 +275,17 @@ class LLMEngine:
             params = group.params
             if params.seed is not None:
                 params = dataclasses.replace(params, seed=(params.seed + index) % MAX_SEED)
-            children.append(
-                Request(
-                    f"{group.request_id}#{index}", parent.prompt_token_ids, params, group_id=group.request_id
-                )
-            )
+            child_id = self._unused_id(f"{group.request_id}#{index}")
+            children.append(Request(child_id, parent.prompt_token_ids, params, group_id=group.request_id))
         return children
+
+    def _unused_id(self, request_id: str) -> str:
+        """`request_id`, suffixed until no user request or sequence holds it."""
+        while (
+            request_id in self._groups or request_id in self._seq_of or self.scheduler.get_request(request_id)
+        ):
+            request_id += "'"
+        return request_id
 
     def _apply_tokens(self, requests: list[Request], sampled: SamplerOutput) -> None:
         """Record each sampled token and finish the sequences it stops."""

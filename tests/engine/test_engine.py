@@ -290,3 +290,11 @@ def test_generate_with_one_bad_prompt_queues_none(engine):
     assert info.value.field == "prompt"
     assert not engine.has_unfinished_requests()
     assert engine.generate(PROMPT, greedy(max_tokens=3))[0].outputs[0].finish_reason == "length"
+
+
+def test_user_ids_that_look_like_sequence_ids_do_not_collide(engine):
+    engine.add_request("x#1", PROMPT, greedy(max_tokens=4))
+    engine.add_request("x", PROMPT, greedy(max_tokens=4, n=2))
+    final = run_to_end(engine)
+    assert final["x#1"].outputs[0].finish_reason == "length"
+    assert [len(c.token_ids) for c in final["x"].outputs] == [4, 4]
