@@ -35,7 +35,9 @@ class HFReference:
             return_dict_in_generate=True,
         )
         tokens = out.sequences[0, len(prompt_ids) :].tolist()
-        logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+        logprobs = [
+            torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)
+        ]
         return tokens, logprobs
 
     def prompt_logprobs(self, path: Path, prompt_ids: list[int]) -> list[float]:
