@@ -298,3 +298,17 @@ def test_user_ids_that_look_like_sequence_ids_do_not_collide(engine):
     final = run_to_end(engine)
     assert final["x#1"].outputs[0].finish_reason == "length"
     assert [len(c.token_ids) for c in final["x"].outputs] == [4, 4]
+
+
+def test_logprobs_hold_the_top_n_plus_the_chosen_token_and_sum_to_the_cumulative(engine):
+    out = engine.generate(PROMPT, SamplingParams(temperature=1.0, seed=5, max_tokens=6, logprobs=3))[
+        0
+    ].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for entry, tok in zip(out.logprobs, out.token_ids, strict=True):
+        assert tok in entry and 3 <= len(entry) <= 4
+        assert all(lp <= 0.0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t] for e, t in zip(out.logprobs, out.token_ids, strict=True))
+    )
+    assert engine.generate(PROMPT, greedy(max_tokens=2))[0].outputs[0].logprobs is None
