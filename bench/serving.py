@@ -175,6 +175,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="use a tiny random model (smoke run)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--min-words", type=int, default=16)
     parser.add_argument("--max-words", type=int, default=64)
@@ -208,7 +209,8 @@ def main() -> int:
     params = dict(p.split("=", 1) for p in args.param)
     params.setdefault("max_num_seqs", str(max(args.concurrency)))
     sampling = {"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True}
-    levels = {c: make_workload(c * args.requests_per_client, args.seed + c, args.min_words, args.max_words)
+    levels = {c: make_workload(max(c * args.requests_per_client, args.min_requests), args.seed + c,
+                               args.min_words, args.max_words)
               for c in args.concurrency}
 
     print(f"in-process engine: {model}", flush=True)
@@ -231,6 +233,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "device": device},
         "model": Path(model).name,
         "workload": {"sampling": sampling, "requests_per_client": args.requests_per_client,
+                     "min_requests": args.min_requests,
                      "prompt_words": [args.min_words, args.max_words], "seed": args.seed, "engine": params,
                      "torch_threads": args.torch_threads},
         "concurrency": {},
