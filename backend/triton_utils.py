@@ -20,6 +20,10 @@ from .sampling_params import SamplingParams
 
 # KServe request parameters that Triton or its clients set for themselves, not sampling settings.
 _RESERVED_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers"}
+# Longest text_input / sampling_parameters accepted, in UTF-8 bytes: refused before tokenizing, so a huge
+# body costs no tokenizer time (the token limit, max_model_len, is the engine's check).
+MAX_PROMPT_BYTES = 1 << 20
+MAX_SAMPLING_PARAMETERS_BYTES = 64 * 1024
 _RETURN_FLAGS = (
     "return_finish_reason",
     "return_cumulative_logprob",
@@ -50,16 +54,17 @@ class LLMRequestInputs:
         return self.prompt_token_ids is not None
 
 
-def _string_input(request: Any, name: str) -> str | None:
-    """The single UTF-8 string of an optional STRING[1] input."""
+def _string_input(request: Any, name: str, max_bytes: int | None = None) -> str | None:
+    """The single UTF-8 string of an optional STRING[1] input, refused when over `max_bytes`."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         return None
     value = tensor.as_numpy().reshape(-1)[0]
-    if isinstance(value, str):
-        return value
+    raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise InvalidRequestError(f"{name} must be at most {max_bytes} bytes, got {len(raw)}", name)
     try:
-        return bytes(value).decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise InvalidRequestError(f"{name} is not valid UTF-8 ({error.reason} at byte {error.start})", name) from None
 
@@ -79,7 +84,7 @@ def _request_parameters(request: Any) -> dict[str, Any]:
 
 def parse_llm_request(request: Any) -> LLMRequestInputs:
     """Read and validate one `llm` request; InvalidRequestError names the offending field."""
-    prompt = _string_input(request, "text_input")
+    prompt = _string_input(request, "text_input", MAX_PROMPT_BYTES)
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
     prompt_token_ids = [int(t) for t in ids_tensor.as_numpy().reshape(-1)] if ids_tensor is not None else None
     if prompt is None and prompt_token_ids is None:
@@ -91,7 +96,7 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
     if prompt_token_ids is not None and not prompt_token_ids:
         raise InvalidRequestError("input_ids must hold at least one token id", "input_ids")
     settings = _request_parameters(request)
-    raw_json = _string_input(request, "sampling_parameters")
+    raw_json = _string_input(request, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     if raw_json:
         try:
             from_json = json.loads(raw_json)
@@ -227,7 +232,7 @@ class PreprocessingModel:
 
     def _one(self, request: Any) -> Any:
         try:
-            text = _string_input(request, "text_input")
+            text = _string_input(request, "text_input", MAX_PROMPT_BYTES)
             if not text:
                 raise InvalidRequestError("text_input must not be empty", "text_input")
             settings = ensemble_sampling_parameters(request)
