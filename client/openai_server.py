@@ -95,7 +95,20 @@ def _triton_error(error: Exception) -> APIError:
     text = str(error)
     if "busy" in text.lower() or "unavailable" in text.lower():
         return APIError(503, text, code="server_busy")
-    return _bad(text, None)
+    return _bad(text, _param_of_engine_message(text))
+
+
+# The llm model's refusals start with the engine field they are about; OpenAI clients know these names.
+_ENGINE_FIELD_TO_PARAM = {"text_input": "prompt", "prompt": "prompt", "prompt_token_ids": "prompt",
+                          "input_ids": "prompt", "max_tokens": "max_tokens", "stop": "stop"}
+
+
+def _param_of_engine_message(message: str) -> str | None:
+    """The OpenAI `param` an llm refusal is about, from its leading field name; None when unknown."""
+    first = message.split(" ", 1)[0]
+    if first in _ENGINE_FIELD_TO_PARAM:
+        return _ENGINE_FIELD_TO_PARAM[first]
+    return first if first in _SAMPLING_FIELDS else None
 
 
 # --------------------------------------------------------------------------- request translation
