@@ -22,6 +22,7 @@ _GAUGES = {
     "num_waiting": ("vllm:num_requests_waiting", "Requests waiting to be scheduled."),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."),
 }
+STEP_FAILURES_METRIC = "pagedserve:engine_step_failures_total"
 _HISTOGRAMS = {
     "ttft": ("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token."),
     "itl": ("vllm:inter_token_latency_seconds", "Time between two generated tokens of one request."),
@@ -54,6 +55,10 @@ class EngineMetrics:
             self._families.append(family)
             self._histograms[field] = family.Metric(labels=labels, buckets=_LATENCY_BUCKETS)
         self._last_counts = dict.fromkeys(_COUNTERS, 0)
+        failures = pb_utils.MetricFamily(name=STEP_FAILURES_METRIC, kind=pb_utils.MetricFamily.COUNTER,
+                                         description="Engine steps that raised; their requests ended with an error.")
+        self._families.append(failures)
+        self._step_failures = failures.Metric(labels=labels)
 
     def update(self, stats: Any) -> None:
         """Set the gauges and advance the counters from an EngineStats snapshot."""
@@ -64,6 +69,10 @@ class EngineMetrics:
             if value > self._last_counts[field]:
                 counter.increment(value - self._last_counts[field])
                 self._last_counts[field] = value
+
+    def count_step_failure(self) -> None:
+        """One engine step failed (its requests were ended with an error)."""
+        self._step_failures.increment(1)
 
     def observe(self, histogram: str, seconds: float) -> None:
         """Record one latency sample: `histogram` is "ttft", "itl" or "e2e"."""
