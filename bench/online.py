@@ -200,6 +200,8 @@ def plot(results: dict, docs: Path) -> list[Path]:
             rates = [float(r) for r in runs]
             values = [s["ttft_ms"]["p50"] if key == "ttft" else s["output_throughput"] for s in runs.values()]
             ax.plot(rates, values, marker="o", label=target)
+        if key == "ttft":
+            ax.set_yscale("log")  # the targets can differ by orders of magnitude
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.set_title(f"{label} vs request rate ({results['model_name']})")
@@ -232,7 +234,13 @@ def main() -> int:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--replot", action="store_true", help="only redo the table and plots from --output")
     args = parser.parse_args()
+    if args.replot:
+        results = json.loads(args.output.read_text())
+        print(table(results))
+        plot(results, DOCS)
+        return 0
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.model is None:
         from pagedserve.backend.default_model import ensure_default_model
