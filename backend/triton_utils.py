@@ -121,13 +121,17 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
 
 def error_response(error: BaseException) -> Any:
     """An InferenceResponse carrying `error` with the status a client should see."""
+    message = str(error)
     if isinstance(error, InvalidRequestError):
         code = pb_utils.TritonError.INVALID_ARG
+        if error.field and not message.startswith(error.field):
+            # The field leads every refusal, so clients (the OpenAI shim's `param`) can read it off.
+            message = f"{error.field}: {message}"
     elif isinstance(error, ServerBusyError):
         code = pb_utils.TritonError.UNAVAILABLE
     else:
         code = pb_utils.TritonError.INTERNAL
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(error), code))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
 def string_tensor(name: str, values: Sequence[str]) -> Any:

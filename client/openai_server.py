@@ -98,14 +98,15 @@ def _triton_error(error: Exception) -> APIError:
     return _bad(text, _param_of_engine_message(text))
 
 
-# The llm model's refusals start with the engine field they are about; OpenAI clients know these names.
+# The llm model's refusals start with the engine field they are about (`field: ...` when the message itself
+# starts otherwise); OpenAI clients know these names.
 _ENGINE_FIELD_TO_PARAM = {"text_input": "prompt", "prompt": "prompt", "prompt_token_ids": "prompt",
                           "input_ids": "prompt", "max_tokens": "max_tokens", "stop": "stop"}
 
 
 def _param_of_engine_message(message: str) -> str | None:
     """The OpenAI `param` an llm refusal is about, from its leading field name; None when unknown."""
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].rstrip(":")
     if first in _ENGINE_FIELD_TO_PARAM:
         return _ENGINE_FIELD_TO_PARAM[first]
     return first if first in _SAMPLING_FIELDS else None
