@@ -134,3 +134,9 @@ def wait_idle():
 def fault_marker() -> str:
     """Text that makes small_pool_server's engine step fail once for the request carrying it."""
     return FAULT_MARKER
+
+
+@pytest.fixture(scope="session")
+def make_inputs():
+    """grpc_inputs(values) of tests/server/conftest.py: tritonclient inputs from plain values."""
+    return grpc_inputs
