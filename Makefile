@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
+# Spinning OpenMP workers slow small CPU kernels 100x on a shared machine (see pagedserve/__init__.py).
+OMP_WAIT_POLICY ?= PASSIVE
+export OMP_WAIT_POLICY
 
 .PHONY: install serve test test-fast lint bench clean
 

@@ -76,6 +76,7 @@ class ModelConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    cpu_threads: int | None = None  # torch intra-op threads on the CPU; None keeps torch's default
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -90,3 +91,5 @@ class ModelConfig:
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}", "device"
             )
         _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1, 1024)

@@ -27,7 +27,7 @@ from .scheduler import Scheduler, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
-    ModelConfig: ("dtype", "device", "seed"),
+    ModelConfig: ("dtype", "device", "seed", "cpu_threads"),
     CacheConfig: (
         "block_size",
         "num_blocks",

@@ -44,6 +44,8 @@ class ModelRunner:
         self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig
     ):
         self.device = resolve_device(model_config.device)
+        if self.device.type == "cpu" and model_config.cpu_threads is not None:
+            torch.set_num_threads(model_config.cpu_threads)
         self.arch = ModelArchConfig.from_pretrained(model_config.model)
         self.dtype = resolve_dtype(model_config.dtype, self.arch)
         self.block_size = cache_config.block_size
