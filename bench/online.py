@@ -81,8 +81,9 @@ def start_pagedserve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Po
     cmd = [sys.executable, "-m", "pagedserve.client.cli", "serve", "--model", args.model,
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
            "--openai-port", str(openai_port), *[f"--param={p}" for p in args.param]]
+    env = {**os.environ, **dict(e.split("=", 1) for e in args.pagedserve_env)}
     with open(tmp / "pagedserve.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     targets = {
         "pagedserve-openai": ("openai", f"http://127.0.0.1:{openai_port}/v1"),
         "pagedserve-grpc": ("triton", f"127.0.0.1:{grpc_port}"),
@@ -228,6 +229,10 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--param", action="append", default=[], help="extra pagedserve engine KEY=VALUE")
+    # One torch thread, as vLLM's CPU default (it also leaves a core to its API process): on two shared
+    # cores a second OpenMP thread that gets descheduled stalls every matmul of the step.
+    parser.add_argument("--pagedserve-env", action="append", default=None,
+                        help="KEY=VALUE for pagedserve's environment (default: OMP_NUM_THREADS=1)")
     parser.add_argument("--vllm-python", default="/tmp/vllm-cpu-venv/bin/python")
     parser.add_argument("--vllm-kv-gib", type=int, default=2)
     parser.add_argument("--vllm-env", action="append", default=[], help="extra KEY=VALUE for vLLM's environment")
@@ -242,6 +247,8 @@ def main() -> int:
         plot(results, DOCS)
         return 0
     args.rates = [float(r) for r in args.rates.split(",")]
+    if args.pagedserve_env is None:
+        args.pagedserve_env = ["OMP_NUM_THREADS=1"]
     if args.model is None:
         from pagedserve.backend.default_model import ensure_default_model
 
@@ -260,6 +267,7 @@ def main() -> int:
         "rates": args.rates,
         "command": "python " + " ".join(sys.argv),
         "runs": runs,
+        "pagedserve_env": args.pagedserve_env,
         "vllm": vllm_note,
         "ratios": ratios(runs, args.rates),
     }
