@@ -17,13 +17,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .detokenizer import detokenize_incrementally, initial_offsets
-from .errors import InvalidRequestError
 from .triton_metrics import EngineMetrics
 from .triton_utils import LLMRequestInputs, error_response, parse_llm_request, string_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # is_cancelled() is a round trip to the server process: poll at most this often while generating.
-CANCEL_POLL_SECONDS = 0.02
+CANCEL_POLL_SECONDS = 0.05
 STATS_INTERVAL_SECONDS = 0.1
 GIL_YIELD_SECONDS = 2e-4
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
@@ -92,6 +91,7 @@ class TritonPythonModel:
         self._started = False
         self._startup_error: BaseException | None = None
         self._closing = False
+        self._last_stats = 0.0
         self._response_thread = threading.Thread(target=self._response_loop, name="pagedserve-responses", daemon=True)
         self._engine_thread = threading.Thread(target=self._engine_main, name="pagedserve-engine", daemon=True)
         self._response_thread.start()
@@ -113,7 +113,7 @@ class TritonPythonModel:
                 continue
             try:
                 inputs = parse_llm_request(request)
-            except InvalidRequestError as error:
+            except Exception as error:  # noqa: BLE001 - INVALID_ARG for bad input, INTERNAL otherwise
                 sender.send(error_response(error), flags=FINAL)
                 continue
             self._inbox.put(_InFlight(f"req-{next(self._ids)}", sender, inputs, time.monotonic()))
@@ -151,7 +151,7 @@ class TritonPythonModel:
     def _engine_loop(self) -> None:
         engine = self._engine
         active: dict[str, _InFlight] = {}
-        last_poll = last_stats = 0.0
+        last_poll = 0.0
         while True:
             busy = engine.has_unfinished_requests()
             if not busy:
@@ -169,9 +169,6 @@ class TritonPythonModel:
                 # Really sleep (not sleep(0)): the stub's own threads forward our responses to the server
                 # and need the GIL; a thread that steps back to back would starve them until it idles.
                 time.sleep(GIL_YIELD_SECONDS)
-            if now - last_stats >= STATS_INTERVAL_SECONDS:
-                self._outbox.put(("stats", engine.get_stats()))
-                last_stats = now
 
     def _drain_inbox(self, block: bool) -> list:
         items = [self._inbox.get()] if block else []
@@ -212,9 +209,10 @@ class TritonPythonModel:
             active.clear()
             return True
         now = time.monotonic()
-        if any(output.finished for output in outputs):
-            # Metrics first: a client that saw its last response then reads /metrics sees this step counted.
+        if now - self._last_stats >= STATS_INTERVAL_SECONDS or any(output.finished for output in outputs):
+            # Metrics before responses: a client that got a token then reads /metrics sees this step.
             self._outbox.put(("stats", self._engine.get_stats()))
+            self._last_stats = now
         for output in outputs:
             request = active.get(output.request_id)
             if request is None:

@@ -252,10 +252,13 @@ class TritonServer:
             self._log_handle.close()
             self._log_handle = None
 
-    def _log_tail(self, num_chars: int = 4000) -> str:
+    def _log_tail(self, num_chars: int = 3000) -> str:
+        """Why the server failed: its model-load errors first, then the end of its log."""
         if self.log_file is None or not Path(self.log_file).exists():
             return ""
-        return "\n--- tritonserver log tail ---\n" + Path(self.log_file).read_text(errors="replace")[-num_chars:]
+        text = Path(self.log_file).read_text(errors="replace")
+        load_errors = [line for line in text.splitlines() if "failed to load" in line]
+        return "\n" + "\n".join([*load_errors, "--- tritonserver log tail ---", text[-num_chars:]])
 
     def __enter__(self) -> TritonServer:
         self.start()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,10 +16,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     TritonInstall,
+    TritonServer,
     fill_parameters,
     find_tritonserver,
     layout_backend_dir,
@@ -73,6 +78,20 @@ def test_backend_layout_refuses_a_python_without_a_stub(tmp_path):
         layout_backend_dir(install, tmp_path / "work")
 
 
+@pytest.mark.slow
+def test_an_engine_that_cannot_start_stops_the_server_with_the_reason(tmp_path, free_loopback_ports):
+    repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, tmp_path / "repo", str(tmp_path / "no-model"))
+    for name in ("ensemble", "preprocessing", "postprocessing"):
+        shutil.rmtree(repository / name)
+    http_port, grpc_port, metrics_port, _ = free_loopback_ports
+    server = TritonServer(repository, work_dir=tmp_path, http_port=http_port, grpc_port=grpc_port,
+                          metrics_port=metrics_port, log_file=tmp_path / "tritonserver.log")
+    with server, pytest.raises(RuntimeError, match="exited before it was ready") as failure:
+        server.wait_ready(300)
+    assert "the pagedserve engine failed to start" in str(failure.value)
+    assert "no-model" in str(failure.value)
+
+
 def _get(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=5) as reply:
@@ -123,9 +142,28 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
                 assert time.monotonic() < deadline, "the OpenAI shim did not come up"
                 time.sleep(1)
         assert _processes_mentioning(str(work_dir)), "tritonserver should run from the generated folder"
+        # A long request still running at shutdown: finalize() must end it rather than hang the exit.
+        stream = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        answers: queue.Queue = queue.Queue()
+        stream.start_stream(callback=lambda result, error: answers.put((result, error)))
+        sampling = json.dumps({"max_tokens": 1900, "ignore_eos": True}).encode()
+        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"),
+                  grpcclient.InferInput("sampling_parameters", [1], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([b"Tell me a very long story."], dtype=np.object_))
+        inputs[1].set_data_from_numpy(np.array([True]))
+        inputs[2].set_data_from_numpy(np.array([sampling], dtype=np.object_))
+        stream.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+        assert answers.get(timeout=300)[1] is None
     finally:
         launcher.send_signal(signal.SIGTERM)
         output, _ = launcher.communicate(timeout=120)
+    errors = []
+    while not answers.empty():
+        errors.append(answers.get()[1])
+    stream.close()
+    # The long request was ended (its stream closes with an error) and finalize() returned in time.
+    assert errors and errors[-1] is not None
+    assert "successfully unloaded 'llm'" in output
     assert launcher.returncode == 0, output
     assert f"http://127.0.0.1:{http_port}" in output
     assert _get(f"http://127.0.0.1:{http_port}/v2/health/live") == 0
