@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -33,6 +34,9 @@ _FLOAT_PARAMETERS = ("gpu_memory_utilization",)
 _BOOL_PARAMETERS = ("enable_prefix_caching",)
 _STRING_PARAMETERS = ("dtype", "device")
 _STOP = object()
+# Test hook, off unless set in tritonserver's environment: a step that schedules a request whose text_input
+# contains this marker raises once, as a failing forward would (tests/reliability uses it).
+FAULT_MARKER_ENV = "PAGEDSERVE_TEST_FAULT_MARKER"
 
 
 def engine_arguments(parameters: dict[str, dict]) -> tuple[str, dict[str, Any]]:
@@ -92,6 +96,8 @@ class TritonPythonModel:
         self._startup_error: BaseException | None = None
         self._closing = False
         self._last_stats = 0.0
+        self._fault_marker = os.environ.get(FAULT_MARKER_ENV, "")
+        self._fault_ids: set[str] = set()
         self._response_thread = threading.Thread(target=self._response_loop, name="pagedserve-responses", daemon=True)
         self._engine_thread = threading.Thread(target=self._engine_main, name="pagedserve-engine", daemon=True)
         self._response_thread.start()
@@ -140,6 +146,8 @@ class TritonPythonModel:
 
                 model = str(ensure_default_model())
             self._engine = LLMEngine.from_pretrained(model, **self._engine_kwargs)
+            if self._fault_marker:
+                self._engine.fault_injector = self._inject_fault
         except BaseException as error:  # noqa: BLE001 - handed to initialize(), which raises it
             self._startup_error = error
         with self._startup:
@@ -170,6 +178,13 @@ class TritonPythonModel:
                 # and need the GIL; a thread that steps back to back would starve them until it idles.
                 time.sleep(GIL_YIELD_SECONDS)
 
+    def _inject_fault(self, sched: Any) -> None:
+        """The FAULT_MARKER_ENV test hook: raise once for each marked request this step schedules."""
+        marked = {s.request.group_id or s.request.request_id for s in sched.scheduled} & self._fault_ids
+        if marked:
+            self._fault_ids -= marked
+            raise RuntimeError(f"injected fault ({FAULT_MARKER_ENV}) for {sorted(marked)}")
+
     def _drain_inbox(self, block: bool) -> list:
         items = [self._inbox.get()] if block else []
         while True:
@@ -189,6 +204,8 @@ class TritonPythonModel:
             self._outbox.put(("error", request, error))
             return
         active[request.request_id] = request
+        if self._fault_marker and inputs.prompt and self._fault_marker in inputs.prompt:
+            self._fault_ids.add(request.request_id)
 
     def _abort_cancelled(self, active: dict[str, _InFlight]) -> None:
         for request_id, request in list(active.items()):
@@ -203,11 +220,17 @@ class TritonPythonModel:
             outputs = self._engine.step()
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
             pb_utils.Logger.log_error(f"pagedserve engine step failed: {error!r}")
+            self._outbox.put(("step_failure",))
             for request_id, request in active.items():
                 self._engine.abort_request(request_id)
                 self._outbox.put(("error", request, RuntimeError(f"engine step failed: {error}")))
             active.clear()
             return True
+        failed = [output for output in outputs if output.error]
+        if failed:
+            pb_utils.Logger.log_error(f"pagedserve engine step failed ({failed[0].error}); "
+                                      f"ended {len(failed)} request(s) with an error")
+            self._outbox.put(("step_failure",))
         now = time.monotonic()
         if now - self._last_stats >= STATS_INTERVAL_SECONDS or any(output.finished for output in outputs):
             # Metrics before responses: a client that got a token then reads /metrics sees this step.
@@ -260,6 +283,8 @@ class TritonPythonModel:
         kind = item[0]
         if kind == "stats":
             self._metrics.update(item[1])
+        elif kind == "step_failure":
+            self._metrics.count_step_failure()
         elif kind == "output":
             self._send_output(*item[1:])
         elif kind == "error":
