@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,10 +46,16 @@ IDLE_TIMEOUT_SECONDS = 120
 SHIM_STARTUP_TIMEOUT_SECONDS = 60
 
 
-def start_triton(model_path: Path, work_dir: Path, params: dict[str, str], env: dict[str, str] | None = None
-                 ) -> tuple[TritonServer, RunningTriton]:
-    """Start tritonserver with the pagedserve repository and `params` for the llm model; wait until ready."""
+def start_triton(model_path: Path, work_dir: Path, params: dict[str, str], env: dict[str, str] | None = None,
+                 llm_only: bool = False) -> tuple[TritonServer, RunningTriton]:
+    """Start tritonserver with the pagedserve repository and `params` for the llm model; wait until ready.
+
+    `llm_only` leaves the ensemble and its tokenizer models out (two Python stubs fewer to start).
+    """
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work_dir / "models", str(model_path), params)
+    if llm_only:
+        for name in ("ensemble", "preprocessing", "postprocessing"):
+            shutil.rmtree(repository / name)
     http_port, grpc_port, metrics_port = free_ports(3)
     log_path = work_dir / "tritonserver.log"
     server = TritonServer(repository, work_dir=work_dir, http_port=http_port, grpc_port=grpc_port,
@@ -140,3 +147,9 @@ def fault_marker() -> str:
 def make_inputs():
     """grpc_inputs(values) of tests/server/conftest.py: tritonclient inputs from plain values."""
     return grpc_inputs
+
+
+@pytest.fixture(scope="session")
+def triton_starter():
+    """start_triton(model_path, work_dir, params, env=None, llm_only=False) -> (TritonServer, RunningTriton)."""
+    return start_triton

@@ -1,0 +1,124 @@
+"""A server with room for 2 running and 4 waiting requests: one more is refused at once with "server busy"
+(UNAVAILABLE over gRPC, 503 over HTTP), and SIGTERM under load ends every in-flight request (finished or
+with an error) and leaves no process behind."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BUSY_PARAMS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "block_size": "16",
+    "num_blocks": "256",
+    "max_model_len": "1024",
+    "max_num_seqs": "2",
+    "max_num_batched_tokens": "1024",
+    "max_num_waiting": "4",
+}
+# Long enough that none of the six fillers finishes while the test probes (it cancels them after).
+FILLER = {"temperature": 0.0, "max_tokens": 1000, "ignore_eos": True}
+NUM_FILLERS = 6
+LIVENESS_SECONDS = 120
+
+
+@pytest.fixture(scope="module")
+def busy_server(tiny_llama_path, tmp_path_factory, triton_starter):
+    server, running = triton_starter(tiny_llama_path, tmp_path_factory.mktemp("busy-triton"), BUSY_PARAMS,
+                                     llm_only=True)
+    try:
+        yield server, running
+    finally:
+        server.stop()
+
+
+def _start_fillers(running) -> list:
+    return [running.open_stream("llm", {"text_input": f"Filler {i} tells a long story:", "stream": True,
+                                        "sampling_parameters": FILLER}) for i in range(NUM_FILLERS)]
+
+
+def _until(condition, what) -> None:
+    """Poll `condition` until it holds; `what()` explains a failure (a liveness bound, not a speed check)."""
+    deadline = time.monotonic() + LIVENESS_SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.05)
+
+
+def _queue_is_full(running) -> bool:
+    return (running.metric("vllm:num_requests_running") == 2
+            and running.metric("vllm:num_requests_waiting") == 4)
+
+
+def _occupancy(running) -> str:
+    return (f"never 2 running + 4 waiting: running={running.metric('vllm:num_requests_running')} "
+            f"waiting={running.metric('vllm:num_requests_waiting')}")
+
+
+def _live_group_members(pgid: int) -> list[str]:
+    """Processes (not zombies) still in process group `pgid`."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(stat.parent.name)
+    return members
+
+
+def test_a_request_beyond_the_queue_limit_is_refused_at_once_with_server_busy(busy_server, wait_idle):
+    _, running = busy_server
+    fillers = _start_fillers(running)
+    try:
+        _until(lambda: _queue_is_full(running), lambda: _occupancy(running))
+        status, text = running.post("/v2/models/llm/generate", {"text_input": "one more", "max_tokens": 2})
+        # The model answers UNAVAILABLE; Triton 2.51's generate endpoint reports every model error as a 400
+        # (the OpenAI shim turns it into a 503, see below).
+        assert status in (400, 503) and "server busy" in text, (status, text)
+        refused = running.grpc_stream("llm", {"text_input": "and one more", "stream": True})
+        assert refused.responses == [] and "server busy" in str(refused.error)
+    finally:
+        for client, _ in fillers:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+    wait_idle(running)
+    assert running.generate("llm", {"text_input": "Hello", "max_tokens": 2})["text_output"].startswith("Hello")
+
+
+def test_sigterm_under_load_ends_every_request_and_leaves_no_process(busy_server):
+    server, running = busy_server
+    fillers = _start_fillers(running)
+    _until(lambda: running.metric("vllm:num_requests_running") == 2, lambda: _occupancy(running))
+    pgid = server.process.pid
+    server.process.send_signal(signal.SIGTERM)
+    endings = []
+    for client, answers in fillers:
+        while True:
+            result, error = answers.get(timeout=LIVENESS_SECONDS)
+            if error is not None:
+                endings.append("error")
+                break
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                endings.append("finished")
+                break
+        client.close()
+    assert len(endings) == NUM_FILLERS
+    # What `pagedserve serve` does on SIGTERM: wait for tritonserver, then kill whatever is left of its group.
+    server.stop()
+    _until(lambda: not _live_group_members(pgid), lambda: f"left behind: {_live_group_members(pgid)}")
+
+
+def test_a_busy_refusal_is_a_503_server_busy_in_the_openai_shim():
+    from pagedserve.client.openai_server import _triton_error
+    from pagedserve.client.triton_client import TritonRequestError
+
+    error = _triton_error(TritonRequestError("server busy: 4 requests already waiting"))
+    assert error.status == 503 and error.body()["error"]["code"] == "server_busy"
