@@ -205,12 +205,16 @@ def test_bad_requests_name_the_field(client, shim_url):
 def test_disconnect_mid_stream_cancels_the_request_and_frees_its_blocks(shim_url, triton_server):
     _wait_idle(triton_server)
     generated_before = triton_server.metric("vllm:generation_tokens_total")
-    max_tokens = 200
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    n, max_tokens = 8, 240  # long enough that the disconnect lands well before the natural end
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "n": n, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{shim_url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        assert triton_server.metric("vllm:kv_cache_usage_perc") > 0
+        # The engine publishes its stats every 0.1 s: wait until they show this request's blocks.
+        deadline = time.monotonic() + IDLE_TIMEOUT_SECONDS
+        while triton_server.metric("vllm:kv_cache_usage_perc") == 0:
+            assert time.monotonic() < deadline, "the running request never showed in the KV usage"
+            time.sleep(0.02)
     _wait_idle(triton_server)
     # Cut short: the request did not run to its max_tokens.
-    assert triton_server.metric("vllm:generation_tokens_total") - generated_before < max_tokens
+    assert triton_server.metric("vllm:generation_tokens_total") - generated_before < n * max_tokens
