@@ -93,7 +93,7 @@ def _triton_error(error: Exception) -> APIError:
     if isinstance(error, TritonUnavailableError):
         return APIError(503, str(error), code="triton_unavailable")
     text = str(error)
-    if "busy" in text.lower() or "unavailable" in text.lower():
+    if any(word in text.lower() for word in ("busy", "unavailable", "shutting down")):
         return APIError(503, text, code="server_busy")
     return _bad(text, _param_of_engine_message(text))
 
