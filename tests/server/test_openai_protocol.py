@@ -357,3 +357,29 @@ def test_merged_streams_close_every_source_when_the_reader_stops():
 
     assert len(asyncio.run(read_three())) == 3
     assert sorted(closed) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "error, status, param",
+    [
+        ("server busy: 4096 requests already waiting", 503, None),
+        ("the llm model is shutting down", 503, None),
+        ("prompt of 300 tokens plus max_tokens 16 exceeds max_model_len 256", 400, "prompt"),
+        ("top_p must be in (0, 1], got 1.5", 400, "top_p"),
+    ],
+)
+def test_llm_errors_map_to_openai_status_and_param(error, status, param):
+    from pagedserve.client.openai_server import _triton_error
+    from pagedserve.client.triton_client import TritonRequestError
+
+    api_error = _triton_error(TritonRequestError(error))
+    assert (api_error.status, api_error.param) == (status, param)
+    assert api_error.body()["error"]["message"] == error
+
+
+def test_unreachable_triton_is_503():
+    from pagedserve.client.openai_server import _triton_error
+    from pagedserve.client.triton_client import TritonUnavailableError
+
+    api_error = _triton_error(TritonUnavailableError("tritonserver at 127.0.0.1:9: connection refused"))
+    assert api_error.status == 503 and api_error.body()["error"]["type"] == "server_error"
