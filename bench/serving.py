@@ -2,8 +2,8 @@
 
 `python bench/serving.py` starts tritonserver (the pagedserve repository) and drives the `llm` model
 with tritonclient gRPC streaming at concurrency 1, 8 and 32 (closed loop: each of C clients sends its
-next request when the previous one ends), then runs the same requests on an in-process `LLMEngine`
-with the same concurrency. It reports TTFT, inter-token latency and end-to-end latency (p50/p90/p99)
+next request when the previous one ends), and runs the same requests on an in-process `LLMEngine`
+with the same concurrency, the two interleaved level by level. It reports TTFT, inter-token latency and end-to-end latency (p50/p90/p99)
 and output tokens/s for both, the throughput ratio and the TTFT the Triton path adds, and writes
 bench/results/serving.json. `--tiny` uses a tiny random model (a smoke run of the wiring).
 """
@@ -213,21 +213,23 @@ def main() -> int:
                                args.min_words, args.max_words)
               for c in args.concurrency}
 
-    print(f"in-process engine: {model}", flush=True)
+    print(f"in-process engine and tritonserver: {model}", flush=True)
     engine = LLMEngine.from_pretrained(model, **{k: _typed(v) for k, v in params.items()})
     engine.generate(levels[args.concurrency[0]][:1], None)  # warm-up
-    inprocess = {c: run_inprocess(engine, c, prompts, sampling) for c, prompts in levels.items()}
     device = str(engine.runner.device)
-    del engine
-
-    print("tritonserver ...", flush=True)
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work / "models", model, params)
     http_port, grpc_port, metrics_port = _free_ports(3)
     server = TritonServer(repository, work_dir=work, http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, log_file=work / "tritonserver.log")
+    inprocess, triton = {}, {}
     with server:
         server.wait_ready(900)
-        triton = {c: run_triton(server.grpc_url, c, prompts, sampling) for c, prompts in levels.items()}
+        # Interleaved per level, so a change in the shared machine's load hits both paths alike.
+        for c, prompts in levels.items():
+            inprocess[c] = run_inprocess(engine, c, prompts, sampling)
+            triton[c] = run_triton(server.grpc_url, c, prompts, sampling)
+            print(f"  concurrency {c}: in-process {inprocess[c]['tok_s']} tok/s, triton {triton[c]['tok_s']} tok/s",
+                  flush=True)
 
     results = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "device": device},
