@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from pagedserve.kernels import ops
 
+import pagedserve
+
 from .attention import AttentionMetadata
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
@@ -37,6 +39,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _set_cpu_threads(cpu_threads: int | None) -> None:
+    """Apply the configured intra-op thread count; one thread when OpenMP workers would spin (see pagedserve)."""
+    if cpu_threads is None and pagedserve.OPENMP_MAY_SPIN and torch.get_num_threads() > 1:
+        logger.warning(
+            "torch was imported before pagedserve without OMP_WAIT_POLICY set; using one CPU thread "
+            "(set OMP_WAIT_POLICY=PASSIVE or import pagedserve first to use more)"
+        )
+        cpu_threads = 1
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+
+
 class ModelRunner:
     """Owns the model and its per-layer KV cache; `execute` runs one scheduled step."""
 
@@ -44,8 +58,8 @@ class ModelRunner:
         self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig
     ):
         self.device = resolve_device(model_config.device)
-        if self.device.type == "cpu" and model_config.cpu_threads is not None:
-            torch.set_num_threads(model_config.cpu_threads)
+        if self.device.type == "cpu":
+            _set_cpu_threads(model_config.cpu_threads)
         self.arch = ModelArchConfig.from_pretrained(model_config.model)
         self.dtype = resolve_dtype(model_config.dtype, self.arch)
         self.block_size = cache_config.block_size
