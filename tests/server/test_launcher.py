@@ -142,7 +142,7 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
                 assert time.monotonic() < deadline, "the OpenAI shim did not come up"
                 time.sleep(1)
         assert _processes_mentioning(str(work_dir)), "tritonserver should run from the generated folder"
-        # A long request still running at shutdown: finalize() must end it rather than hang the exit.
+        # A long request still running at shutdown must not keep the launcher (or any process) alive.
         stream = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         answers: queue.Queue = queue.Queue()
         stream.start_stream(callback=lambda result, error: answers.put((result, error)))
@@ -161,9 +161,8 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
     while not answers.empty():
         errors.append(answers.get()[1])
     stream.close()
-    # The long request was ended (its stream closes with an error) and finalize() returned in time.
+    # Triton waits up to its exit timeout for in-flight requests, then exits: the stream ends in an error.
     assert errors and errors[-1] is not None
-    assert "successfully unloaded 'llm'" in output
     assert launcher.returncode == 0, output
     assert f"http://127.0.0.1:{http_port}" in output
     assert _get(f"http://127.0.0.1:{http_port}/v2/health/live") == 0
