@@ -22,7 +22,7 @@ BUSY_PARAMS = {
     "max_num_batched_tokens": "1024",
     "max_num_waiting": "4",
 }
-# Long enough that none of the six fillers finishes while the test probes (it cancels them after).
+# Long enough that no request finishes while the test probes (it cancels them after).
 FILLER = {"temperature": 0.0, "max_tokens": 1000, "ignore_eos": True}
 NUM_FILLERS = 6
 LIVENESS_SECONDS = 120
@@ -51,13 +51,8 @@ def _until(condition, what) -> None:
         time.sleep(0.05)
 
 
-def _queue_is_full(running) -> bool:
-    return (running.metric("vllm:num_requests_running") == 2
-            and running.metric("vllm:num_requests_waiting") == 4)
-
-
 def _occupancy(running) -> str:
-    return (f"never 2 running + 4 waiting: running={running.metric('vllm:num_requests_running')} "
+    return (f"running={running.metric('vllm:num_requests_running')} "
             f"waiting={running.metric('vllm:num_requests_waiting')}")
 
 
@@ -74,19 +69,33 @@ def _live_group_members(pgid: int) -> list[str]:
     return members
 
 
-def test_a_request_beyond_the_queue_limit_is_refused_at_once_with_server_busy(busy_server, wait_idle):
+def _first_answer(answers) -> tuple[str, object]:
+    """("refused", error) or ("accepted", first result) of one stream."""
+    result, error = answers.get(timeout=LIVENESS_SECONDS)
+    return ("refused", error) if error is not None else ("accepted", result)
+
+
+def test_requests_beyond_the_queue_limit_are_refused_at_once_with_server_busy(busy_server, wait_idle):
     _, running = busy_server
-    fillers = _start_fillers(running)
+    # Twelve long requests at once: 2 run, 4 wait, and the other 6 are refused before any of the 1000-token
+    # requests could finish. A waiting request sends nothing yet, so only refusals and the running two answer.
+    burst = [running.open_stream("llm", {"text_input": f"Burst {i} tells a long story:", "stream": True,
+                                         "sampling_parameters": FILLER}) for i in range(2 * NUM_FILLERS)]
     try:
-        _until(lambda: _queue_is_full(running), lambda: _occupancy(running))
+        _until(lambda: sum(a.qsize() > 0 for _, a in burst) >= NUM_FILLERS + 2,
+               lambda: f"only {sum(a.qsize() > 0 for _, a in burst)} streams answered")
+        first = [_first_answer(answers) for _, answers in burst if answers.qsize()]
+        refused = [str(value) for kind, value in first if kind == "refused"]
+        accepted = [value for kind, value in first if kind == "accepted"]
+        assert len(refused) == NUM_FILLERS and all("server busy" in text for text in refused), refused
+        assert len(accepted) == 2  # the running two stream; the four waiting ones are still queued
+        assert not any(r.get_response().parameters["triton_final_response"].bool_param for r in accepted)
         status, text = running.post("/v2/models/llm/generate", {"text_input": "one more", "max_tokens": 2})
         # The model answers UNAVAILABLE; Triton 2.51's generate endpoint reports every model error as a 400
         # (the OpenAI shim turns it into a 503, see below).
         assert status in (400, 503) and "server busy" in text, (status, text)
-        refused = running.grpc_stream("llm", {"text_input": "and one more", "stream": True})
-        assert refused.responses == [] and "server busy" in str(refused.error)
     finally:
-        for client, _ in fillers:
+        for client, _ in burst:
             client.stop_stream(cancel_requests=True)
             client.close()
     wait_idle(running)
