@@ -63,6 +63,12 @@ def engine_arguments(parameters: dict[str, dict]) -> tuple[str, dict[str, Any]]:
     return values.get("model", ""), kwargs
 
 
+def _starts_or_ends(output: Any) -> bool:
+    """True for a request's first tokens or its last output: the moments a client checks metrics at."""
+    first = output.outputs[0] if output.outputs else None
+    return output.finished or (first is not None and 0 < len(first.token_ids) == len(first.token_ids_delta))
+
+
 @dataclass
 class _InFlight:
     """One user request as the two threads see it; the detokenizer offsets belong to the response thread."""
@@ -232,7 +238,7 @@ class TritonPythonModel:
                                       f"ended {len(failed)} request(s) with an error")
             self._outbox.put(("step_failure",))
         now = time.monotonic()
-        if now - self._last_stats >= STATS_INTERVAL_SECONDS or any(output.finished for output in outputs):
+        if now - self._last_stats >= STATS_INTERVAL_SECONDS or any(map(_starts_or_ends, outputs)):
             # Metrics before responses: a client that got a token then reads /metrics sees this step.
             self._outbox.put(("stats", self._engine.get_stats()))
             self._last_stats = now
