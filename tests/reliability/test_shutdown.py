@@ -25,7 +25,7 @@ BUSY_PARAMS = {
 # Long enough that no request finishes while the test probes (it cancels them after).
 FILLER = {"temperature": 0.0, "max_tokens": 1000, "ignore_eos": True}
 NUM_FILLERS = 6
-LIVENESS_SECONDS = 120
+LIVENESS_SECONDS = 60
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,10 @@ def _occupancy(running) -> str:
             f"waiting={running.metric('vllm:num_requests_waiting')}")
 
 
+def _log_tail(running) -> str:
+    return "tritonserver log tail:\n" + running.log_path.read_text(errors="replace")[-3000:]
+
+
 def _live_group_members(pgid: int) -> list[str]:
     """Processes (not zombies) still in process group `pgid`."""
     members = []
@@ -83,7 +87,7 @@ def test_requests_beyond_the_queue_limit_are_refused_at_once_with_server_busy(bu
                                          "sampling_parameters": FILLER}) for i in range(2 * NUM_FILLERS)]
     try:
         _until(lambda: sum(a.qsize() > 0 for _, a in burst) >= NUM_FILLERS + 2,
-               lambda: f"only {sum(a.qsize() > 0 for _, a in burst)} streams answered")
+               lambda: f"only {sum(a.qsize() > 0 for _, a in burst)} streams answered; {_log_tail(running)}")
         first = [_first_answer(answers) for _, answers in burst if answers.qsize()]
         refused = [str(value) for kind, value in first if kind == "refused"]
         accepted = [value for kind, value in first if kind == "accepted"]
@@ -105,7 +109,8 @@ def test_requests_beyond_the_queue_limit_are_refused_at_once_with_server_busy(bu
 def test_sigterm_under_load_ends_every_request_and_leaves_no_process(busy_server):
     server, running = busy_server
     fillers = _start_fillers(running)
-    _until(lambda: running.metric("vllm:num_requests_running") == 2, lambda: _occupancy(running))
+    _until(lambda: running.metric("vllm:num_requests_running") == 2,
+           lambda: f"{_occupancy(running)}; {_log_tail(running)}")
     pgid = server.process.pid
     server.process.send_signal(signal.SIGTERM)
     endings = []
