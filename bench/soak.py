@@ -23,7 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from pagedserve.client.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, prepare_model_repository
+from pagedserve.client.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    TritonServer,
+    prepare_model_repository,
+    process_group_members,
+)
 
 ENGINE_PARAMS = {"device": "cpu", "dtype": "float32", "block_size": "4", "num_blocks": "96", "max_model_len": "160",
                  "max_num_seqs": "32", "max_num_batched_tokens": "512", "max_num_waiting": "64"}
@@ -142,22 +147,10 @@ class Stats:
                 for w, v in sorted(windows.items())]
 
 
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
 def _resources(pgid: int) -> dict[str, int]:
     """RSS (bytes), threads and open file descriptors summed over tritonserver's process group."""
     rss = threads = fds = 0
-    for pid in _group_pids(pgid):
+    for pid in process_group_members(pgid):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
             rss += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) * 1024

@@ -294,6 +294,36 @@ def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: st
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
 
+def wait_for_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Poll `url` until it answers 200; fail at once if `proc` exits first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:3]} exited with status {proc.returncode} before {url} answered")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, read from /proc: what a stop would leave behind."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
 def _stop_process_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
     """SIGTERM a child's process group, then SIGKILL it if it lingers."""
     if proc is None:
@@ -363,6 +393,9 @@ def run(args: argparse.Namespace) -> int:
             server.start()
             server.wait_ready(args.ready_timeout)
             shim = _start_openai_shim(args, server, model)
+            if shim is not None:
+                url = f"http://{_client_host(args.host)}:{args.openai_port}/health"
+                wait_for_http_ok(url, shim, args.ready_timeout)
             print(f"pagedserve is serving {model}", flush=True)
             print(f"  HTTP    http://{server.http_url}  (POST /v2/models/llm/generate_stream)", flush=True)
             print(f"  gRPC    {server.grpc_url}", flush=True)

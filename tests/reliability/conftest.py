@@ -13,12 +13,16 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pagedserve.client.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, prepare_model_repository
+from pagedserve.client.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    TritonServer,
+    prepare_model_repository,
+    wait_for_http_ok,
+)
 
 _spec = importlib.util.spec_from_file_location(
     "_pagedserve_server_test_helpers", Path(__file__).parent.parent / "server" / "conftest.py"
@@ -114,17 +118,7 @@ def shim_url(small_pool_server: RunningTriton) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SHIM_STARTUP_TIMEOUT_SECONDS
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, "the shim exited at startup"
-            assert time.monotonic() < deadline, "the shim did not become healthy"
-            time.sleep(0.2)
+        wait_for_http_ok(f"{url}/health", proc, SHIM_STARTUP_TIMEOUT_SECONDS)
         yield url
     finally:
         proc.terminate()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import pytest
+from pagedserve.client.launcher import process_group_members
 
 pytestmark = pytest.mark.slow
 
@@ -58,19 +58,6 @@ def _occupancy(running) -> str:
 
 def _log_tail(running) -> str:
     return "tritonserver log tail:\n" + running.log_path.read_text(errors="replace")[-3000:]
-
-
-def _live_group_members(pgid: int) -> list[str]:
-    """Processes (not zombies) still in process group `pgid`."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(stat.parent.name)
-    return members
 
 
 def _first_answer(answers) -> tuple[str, object]:
@@ -127,7 +114,7 @@ def test_sigterm_under_load_ends_every_request_and_leaves_no_process(busy_server
     assert len(endings) == NUM_FILLERS
     # What `pagedserve serve` does on SIGTERM: wait for tritonserver, then kill whatever is left of its group.
     server.stop()
-    _until(lambda: not _live_group_members(pgid), lambda: f"left behind: {_live_group_members(pgid)}")
+    _until(lambda: not process_group_members(pgid), lambda: f"left behind: {process_group_members(pgid)}")
 
 
 def test_a_busy_refusal_is_a_503_server_busy_in_the_openai_shim():

@@ -8,12 +8,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+from pagedserve.client.launcher import wait_for_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +40,7 @@ def shim_url(triton_server) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, "the shim exited at startup"
-            assert time.monotonic() < deadline, "the shim did not become healthy"
-            time.sleep(0.2)
+        wait_for_http_ok(f"{url}/health", proc, STARTUP_TIMEOUT_SECONDS)
         yield url
     finally:
         proc.terminate()
