@@ -29,7 +29,7 @@ GIL_YIELD_SECONDS = 2e-4
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
 
 _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-                   "max_model_len", "max_num_waiting", "seed")
+                   "max_model_len", "max_num_waiting", "seed", "cpu_threads")
 _FLOAT_PARAMETERS = ("gpu_memory_utilization",)
 _BOOL_PARAMETERS = ("enable_prefix_caching",)
 _STRING_PARAMETERS = ("dtype", "device")
