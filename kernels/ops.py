@@ -38,11 +38,16 @@ def _has_triton() -> bool:
     return _triton_available
 
 
-def kernel_backend(tensor: torch.Tensor) -> str:
-    """Which implementation serves this tensor: 'triton' or 'torch'."""
+def _mode() -> str:
     mode = os.environ.get("PAGEDSERVE_KERNELS", "auto").strip().lower() or "auto"
     if mode not in _MODES:
         raise ValueError(f"PAGEDSERVE_KERNELS must be one of {', '.join(_MODES)}; got {mode!r}")
+    return mode
+
+
+def kernel_backend(tensor: torch.Tensor) -> str:
+    """Which implementation serves this tensor: 'triton' or 'torch'."""
+    mode = _mode()
     if mode == "torch":
         return "torch"
     if mode == "triton":
@@ -82,8 +87,15 @@ def paged_attention(
     max_seqlen_k: int,
     out: torch.Tensor | None = None,  # [T, Hq, D]
 ) -> torch.Tensor:
-    """Causal attention over the paged cache; query i of sequence s sits at seq_lens[s] - q_len_s + i."""
-    return _impl("attention_triton", query).paged_attention(
+    """Causal attention over the paged cache; query i of sequence s sits at seq_lens[s] - q_len_s + i.
+
+    CPU tensors in auto mode take `attention_cpu` (native decode kernel, unpadded prefill), which falls
+    back to the reference by itself; PAGEDSERVE_KERNELS=torch keeps the pure reference.
+    """
+    module = _impl("attention_triton", query)
+    if module is reference and _mode() == "auto" and query.device.type == "cpu":
+        module = importlib.import_module(".attention_cpu", __package__)
+    return module.paged_attention(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
         max_seqlen_q, max_seqlen_k, out,
     )

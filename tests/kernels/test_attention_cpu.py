@@ -1,0 +1,97 @@
+"""The engine's CPU attention (native in-place decode kernel + unpadded prefill) against a per-sequence one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import attention_cpu, cpu_native, ops, reference
+
+from .test_paged_attention import BF16_TOL, DECODES, FP32_TOL, MIXED, make_batch, per_sequence_attention
+
+needs_native = pytest.mark.skipif(cpu_native.load() is None, reason="no C++ compiler for the native kernel")
+
+
+@needs_native
+@pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim", "block_size"),
+                         [(2, 1, 64, 16), (2, 4, 80, 32), (1, 8, 64, 16), (3, 3, 16, 16)])
+def test_cpu_attention_equals_per_sequence_attention_in_fp32(lens, num_kv_heads, group, head_dim, block_size):
+    batch = make_batch(lens, num_kv_heads, group, head_dim, block_size)
+    out = attention_cpu.paged_attention(*batch.args())
+    torch.testing.assert_close(out, per_sequence_attention(batch), **FP32_TOL)
+
+
+@needs_native
+@pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_cpu_attention_in_bf16_stays_within_bf16_rounding_of_fp32(lens):
+    batch = make_batch(lens, 2, 4, 64, 16, dtype=torch.bfloat16)
+    out = attention_cpu.paged_attention(*batch.args())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), per_sequence_attention(batch), **BF16_TOL)
+
+
+@needs_native
+def test_native_decode_splits_sequences_across_threads_with_the_same_result():
+    lens = [(1, n) for n in range(1, 97)]
+    batch = make_batch(lens, 2, 4, 64, 16)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attention_cpu.paged_attention(*batch.args())
+        torch.set_num_threads(4)
+        four = attention_cpu.paged_attention(*batch.args())
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, four)
+    torch.testing.assert_close(one, per_sequence_attention(batch), **FP32_TOL)
+
+
+@needs_native
+def test_native_decode_writes_into_a_given_out_tensor():
+    batch = make_batch(DECODES, 2, 2, 64, 16)
+    out = torch.full_like(batch.query, float("nan"))
+    result = attention_cpu.paged_attention(*batch.args(), out)
+    assert result is out
+    torch.testing.assert_close(out, per_sequence_attention(batch), **FP32_TOL)
+
+
+def test_cpu_tensors_in_auto_mode_take_the_cpu_attention(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
+    calls = []
+    real = attention_cpu.paged_attention
+    monkeypatch.setattr(attention_cpu, "paged_attention", lambda *a: calls.append(1) or real(*a))
+    batch = make_batch(MIXED, 2, 2, 64, 16)
+    torch.testing.assert_close(ops.paged_attention(*batch.args()), per_sequence_attention(batch), **FP32_TOL)
+    assert calls == [1]
+
+
+def test_forcing_torch_keeps_the_pure_reference(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "torch")
+    monkeypatch.setattr(attention_cpu, "paged_attention", lambda *a: pytest.fail("cpu attention called"))
+    batch = make_batch(DECODES, 2, 2, 64, 16)
+    torch.testing.assert_close(ops.paged_attention(*batch.args()), reference.paged_attention(*batch.args()))
+
+
+def test_without_a_compiler_the_cpu_attention_falls_back_to_the_reference(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "_library", None)
+    monkeypatch.setattr(cpu_native, "_load_failed", False)
+    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    batch = make_batch(MIXED, 2, 2, 64, 16)
+    assert cpu_native.load() is None
+    torch.testing.assert_close(attention_cpu.paged_attention(*batch.args()), per_sequence_attention(batch),
+                               **FP32_TOL)
+
+
+def test_native_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_native, "_library", None)
+    monkeypatch.setattr(cpu_native, "_load_failed", False)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    if cpu_native.load() is None:
+        pytest.skip("no C++ compiler for the native kernel")
+    built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_native, "_library", None)
+    assert cpu_native.load() is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
