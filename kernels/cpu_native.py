@@ -1,5 +1,8 @@
 """Native CPU kernels: decode PagedAttention compiled once with the system C++ compiler, called by ctypes.
 
+Also fused RMSNorm (+ residual), SiLU-and-mul and rotary embedding (`csrc/elementwise_cpu.cpp`), one
+pass over memory each where torch runs several ops with temporaries.
+
 The torch reference gathers every sequence's K/V into a padded copy before attending; on the CPU that copy
 and SDPA's small-query overhead were most of a decode step. `csrc/paged_attention_cpu.cpp` reads the
 blocks in place instead. It has no torch headers, so it builds in about a second (`-O3 -march=native`,
@@ -25,7 +28,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (_CSRC / "paged_attention_cpu.cpp", _CSRC / "elementwise_cpu.cpp")
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 CACHE_ENV = "PAGEDSERVE_CACHE"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
@@ -37,6 +41,7 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_failed = False
 _pool: ThreadPoolExecutor | None = None
+_table: tuple[tuple, torch.Tensor] | None = None
 
 
 def enabled() -> bool:
@@ -67,10 +72,11 @@ def _cpu_signature() -> str:
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
+    parts = [src.read_bytes() for src in SOURCES]
+    for part in (*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve")
-    return root / "kernels" / f"paged_attention_cpu-{digest.hexdigest()[:16]}.so"
+    return root / "kernels" / f"pagedserve_cpu-{digest.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -79,7 +85,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                                 check=False)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -88,6 +94,12 @@ def _build(compiler: str, target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _declare(library: ctypes.CDLL, name: str, argtypes: list) -> None:
+    fn = getattr(library, name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
 
 
 def load() -> ctypes.CDLL | None:
@@ -110,11 +122,77 @@ def load() -> ctypes.CDLL | None:
             fn = library.pagedserve_decode_attention
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+            _declare(library, "pagedserve_rms_norm", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2
+                     + [ctypes.c_float, ctypes.c_int])
+            _declare(library, "pagedserve_silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+                     + [ctypes.c_int])
+            _declare(library, "pagedserve_rotary", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_int])
             _library = library
         except Exception as exc:  # any failure means the torch path, never a broken engine
             _load_failed = True
             logger.warning("native CPU attention kernel unavailable (%s); using the torch reference", exc)
     return _library
+
+
+def dtype_code(tensor: torch.Tensor) -> int | None:
+    """The kernels' code for this tensor's dtype, None where they do not serve it."""
+    return _DTYPE_CODES.get(tensor.dtype) if tensor.device.type == "cpu" else None
+
+
+def _check(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"native {name} failed with status {status}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused (residual add +) RMSNorm of contiguous [T, H] rows; same contract as the reference."""
+    library = load()
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else None
+    _check(library.pagedserve_rms_norm(
+        out.data_ptr(), summed.data_ptr() if summed is not None else None, x.data_ptr(),
+        residual.data_ptr() if residual is not None else None, weight.data_ptr(), x.shape[0], x.shape[1],
+        eps, _DTYPE_CODES[x.dtype]), "rms_norm")
+    return out if summed is None else (out, summed)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(first half) * second half of contiguous [T, 2I] rows."""
+    library = load()
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    _check(library.pagedserve_silu_and_mul(out.data_ptr(), x.data_ptr(), out.numel() // max(inter, 1), inter,
+                                           _DTYPE_CODES[x.dtype]), "silu_and_mul")
+    return out
+
+
+def _float_table(cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """The cos/sin table as contiguous fp32, converted once per table (the model keeps one for its life)."""
+    global _table
+    if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
+        return cos_sin_cache
+    key = (cos_sin_cache.data_ptr(), cos_sin_cache.dtype, tuple(cos_sin_cache.shape))
+    if _table is None or _table[0] != key:
+        _table = (key, cos_sin_cache.float().contiguous())
+    return _table[1]
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding into new contiguous tensors; query/key rows may be strided views (a QKV split)."""
+    library = load()
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    q_out = torch.empty(query.shape, dtype=query.dtype)
+    k_out = torch.empty(key.shape, dtype=key.dtype)
+    table = _float_table(cos_sin_cache)
+    pos = positions.to(torch.int64).contiguous()
+    _check(library.pagedserve_rotary(
+        q_out.data_ptr(), k_out.data_ptr(), query.data_ptr(), key.data_ptr(), pos.data_ptr(),
+        table.data_ptr(), num_tokens, num_q_heads, num_kv_heads, head_dim, query.stride(0),
+        key.stride(0), _DTYPE_CODES[query.dtype]), "rotary")
+    return q_out, k_out
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -64,6 +64,15 @@ def _impl(name: str, tensor: torch.Tensor) -> ModuleType:
     return importlib.import_module(f".{name}", __package__)
 
 
+def _cpu_impl(name: str, cpu_name: str, tensor: torch.Tensor) -> ModuleType:
+    """Like _impl, but CPU tensors in auto mode take the engine's CPU module (native kernels, falling
+    back to the reference by themselves); PAGEDSERVE_KERNELS=torch keeps the pure reference."""
+    module = _impl(name, tensor)
+    if module is reference and _mode() == "auto" and tensor.device.type == "cpu":
+        return importlib.import_module(f".{cpu_name}", __package__)
+    return module
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -92,10 +101,7 @@ def paged_attention(
     CPU tensors in auto mode take `attention_cpu` (native decode kernel, unpadded prefill), which falls
     back to the reference by itself; PAGEDSERVE_KERNELS=torch keeps the pure reference.
     """
-    module = _impl("attention_triton", query)
-    if module is reference and _mode() == "auto" and query.device.type == "cpu":
-        module = importlib.import_module(".attention_cpu", __package__)
-    return module.paged_attention(
+    return _cpu_impl("attention_triton", "attention_cpu", query).paged_attention(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
         max_seqlen_q, max_seqlen_k, out,
     )
@@ -108,7 +114,8 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,  # [max_pos, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding; returns new (query, key) tensors."""
-    return _impl("elementwise_triton", query).rotary_embedding(positions, query, key, cos_sin_cache)
+    module = _cpu_impl("elementwise_triton", "elementwise_cpu", query)
+    return module.rotary_embedding(positions, query, key, cos_sin_cache)
 
 
 def rms_norm(
@@ -118,12 +125,12 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm; with residual returns (norm(x + residual), x + residual)."""
-    return _impl("elementwise_triton", x).rms_norm(x, weight, eps, residual)
+    return _cpu_impl("elementwise_triton", "elementwise_cpu", x).rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """SiLU(gate) * up over the two halves of the last dimension."""
-    return _impl("elementwise_triton", x).silu_and_mul(x)
+    return _cpu_impl("elementwise_triton", "elementwise_cpu", x).silu_and_mul(x)
 
 
 def copy_blocks(

@@ -89,7 +89,7 @@ def test_native_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     if cpu_native.load() is None:
         pytest.skip("no C++ compiler for the native kernel")
-    built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+    built = list((tmp_path / "kernels").glob("pagedserve_cpu-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(cpu_native, "_library", None)

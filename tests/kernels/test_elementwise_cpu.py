@@ -1,0 +1,75 @@
+"""The native fused CPU element-wise kernels against the torch reference they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import cpu_native, elementwise_cpu, ops, reference
+from pagedserve.kernels.rope_cache import compute_cos_sin_cache
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C++ compiler for the native kernels")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_matches_reference(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: to rounding of a reordered sum; bf16: at most one bf16 ulp apart, and nearly all bit-equal."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(actual.float(), expected.float(), atol=1e-2, rtol=2 ** -7)
+    assert (actual != expected).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_equals_reference(dtype, with_residual):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    weight = torch.rand(576, generator=gen).to(dtype) + 0.5
+    residual = torch.randn(37, 576, generator=gen).to(dtype) if with_residual else None
+    got = elementwise_cpu.rms_norm(x, weight, 1e-5, residual)
+    want = reference.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])  # the residual sum is one rounded add either way
+        assert_matches_reference(got[0], want[0])
+    else:
+        assert_matches_reference(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_equals_reference(dtype):
+    x = (torch.randn(29, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    assert_matches_reference(elementwise_cpu.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_a_qkv_split_equals_reference(dtype):
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, hq, hkv, d = 23, 9, 3, 64
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # strided rows, as the model passes them
+    q, k = q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d)
+    table = compute_cos_sin_cache(d, 4096, 10000.0, None, dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    got_q, got_k = elementwise_cpu.rotary_embedding(positions, q, k, table)
+    want_q, want_k = reference.rotary_embedding(positions, q, k, table)
+    assert_matches_reference(got_q, want_q)
+    assert_matches_reference(got_k, want_k)
+
+
+def test_cpu_tensors_in_auto_mode_use_the_native_ops(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
+    calls = []
+    real = cpu_native.silu_and_mul
+    monkeypatch.setattr(cpu_native, "silu_and_mul", lambda x: calls.append(x) or real(x))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x))
+    assert len(calls) == 1
+
+
+def test_unsupported_dtypes_fall_back_to_the_reference():
+    x = torch.randn(4, 16, dtype=torch.float64)
+    torch.testing.assert_close(elementwise_cpu.silu_and_mul(x), reference.silu_and_mul(x))
+    w = torch.ones(16, dtype=torch.float64)
+    torch.testing.assert_close(elementwise_cpu.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
