@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (_CSRC / "paged_attention_cpu.cpp", _CSRC / "elementwise_cpu.cpp")
+HEADERS = (_CSRC / "cpu_common.h",)
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 CACHE_ENV = "PAGEDSERVE_CACHE"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
@@ -72,7 +73,7 @@ def _cpu_signature() -> str:
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    parts = [src.read_bytes() for src in SOURCES]
+    parts = [src.read_bytes() for src in (*SOURCES, *HEADERS)]
     for part in (*parts, " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve")

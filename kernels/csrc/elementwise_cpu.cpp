@@ -9,24 +9,15 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using pagedserve::bf16_to_float;
+using pagedserve::fast_exp;
+using pagedserve::float_to_bf16;
 
 // Storage type <-> float, and the rounding a value of that type went through.
 template <typename T> struct Elem;
@@ -47,16 +38,17 @@ void rms_norm(T* out, T* summed, const T* x, const T* residual, const T* weight,
   std::vector<float> h(hidden);
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * hidden;
-    double square_sum = 0.0;  // fp64 so the order of the sum does not matter at fp32 precision
-    for (int64_t i = 0; i < hidden; ++i) {
-      float v = Elem<T>::load(xr[i]);
-      if (residual != nullptr) {
-        v = Elem<T>::round(v + Elem<T>::load(residual[r * hidden + i]));
-        summed[r * hidden + i] = Elem<T>::store(v);
-      }
-      h[i] = v;
-      square_sum += static_cast<double>(v) * v;
+    if (residual != nullptr) {
+      const T* rr = residual + r * hidden;
+      T* sr = summed + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) h[i] = Elem<T>::round(Elem<T>::load(xr[i]) + Elem<T>::load(rr[i]));
+      for (int64_t i = 0; i < hidden; ++i) sr[i] = Elem<T>::store(h[i]);
+    } else {
+      for (int64_t i = 0; i < hidden; ++i) h[i] = Elem<T>::load(xr[i]);
     }
+    double square_sum = 0.0;  // fp64 accumulators: the lane order does not show at fp32 precision
+#pragma omp simd reduction(+ : square_sum)
+    for (int64_t i = 0; i < hidden; ++i) square_sum += static_cast<double>(h[i]) * h[i];
     const float inv = 1.f / std::sqrt(static_cast<float>(square_sum / hidden) + eps);
     T* o = out + r * hidden;
     for (int64_t i = 0; i < hidden; ++i) {
@@ -67,16 +59,15 @@ void rms_norm(T* out, T* summed, const T* x, const T* residual, const T* weight,
 
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter) {
+  // Row-sized fp32 buffers and one simple loop per stage: each stage vectorises on its own.
+  std::vector<float> gate(inter), up(inter);
   for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = x + r * 2 * inter;
-    const T* up = gate + inter;
+    const T* row = x + r * 2 * inter;
+    for (int64_t i = 0; i < inter; ++i) gate[i] = Elem<T>::load(row[i]);
+    for (int64_t i = 0; i < inter; ++i) up[i] = Elem<T>::load(row[inter + i]);
+    for (int64_t i = 0; i < inter; ++i) gate[i] = Elem<T>::round(gate[i] / (1.f + fast_exp(-gate[i])));
     T* o = out + r * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {
-      const float g = Elem<T>::load(gate[i]);
-      const float silu = Elem<T>::round(g / (1.f + std::exp(-g)));
-      o[i] = Elem<T>::store(silu * Elem<T>::load(up[i]));
-    }
+    for (int64_t i = 0; i < inter; ++i) o[i] = Elem<T>::store(gate[i] * up[i]);
   }
 }
 

@@ -10,46 +10,15 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
 enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-inline uint16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays a quiet NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);                    // round to nearest even, as torch does
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-// exp(x) for x <= 0 (scores minus their max) as straight-line code the compiler vectorises; libm's expf
-// is a scalar call per element. 2^x = 2^round(x) * 2^f with f in [-0.5, 0.5] and a degree-7 polynomial
-// for 2^f: relative error below 1e-7, as exact as fp32 softmax needs.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.44269504088896341f;
-  const float whole = std::floor(t + 0.5f);
-  const float f = (t - whole) * 0.693147180559945309f;  // back to base e: e^f = 2^(t - whole)
-  float p = 1.f / 5040.f;
-  p = p * f + 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using pagedserve::bf16_to_float;
+using pagedserve::fast_exp;
+using pagedserve::float_to_bf16;
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n);
@@ -125,7 +94,7 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t pos = 0; pos < length; ++pos) {
-        sq[pos] = exp_nonpositive(sq[pos] - m);
+        sq[pos] = fast_exp(sq[pos] - m);
         total += sq[pos];
       }
       row_sum[qh] = total;

@@ -1,0 +1,41 @@
+// Shared by the native CPU kernels: bf16 <-> fp32 conversion and an exp the compiler can vectorise.
+#pragma once
+
+#include <cstdint>
+
+namespace pagedserve {
+
+inline float bf16_to_float(uint16_t bits) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(bits) << 16);
+}
+
+inline uint16_t float_to_bf16(float value) {
+  uint32_t bits = __builtin_bit_cast(uint32_t, value);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays a quiet NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);                    // round to nearest even, as torch does
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) as straight-line code the compiler vectorises (libm's expf is a scalar call per element):
+// 2^t = 2^round(t) * 2^f with f in [-0.5, 0.5] and a degree-7 polynomial, relative error below 1e-7.
+// x is clamped to [-87, 88], where fp32 exp neither overflows nor goes denormal.
+inline float fast_exp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float t = x * 1.44269504088896341f;
+  // Round to nearest by adding and removing 1.5 * 2^23 (exact for |t| < 2^22): floorf only vectorises
+  // without trapping math, which the build keeps.
+  const float whole = (t + 12582912.f) - 12582912.f;
+  const float f = (t - whole) * 0.693147180559945309f;  // back to base e: e^f = 2^(t - whole)
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  // __builtin_bit_cast, not memcpy: the vectoriser sees through it (GCC 11+, Clang 9+).
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(whole) + 127) << 23);
+}
+
+}  // namespace pagedserve
