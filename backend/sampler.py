@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pagedserve.kernels import ops
 
 # Below this temperature the scaled logits overflow; such rows are sampled greedily, as vLLM does.
 _TEMPERATURE_EPS = 1e-5
@@ -94,7 +95,7 @@ class Sampler:
                 have_lse[rows[j]] = True
         missing = [i for i, ok in enumerate(have_lse) if not ok]
         if missing:
-            lse[missing] = torch.logsumexp(logits[missing], dim=-1)
+            lse[missing] = ops.logsumexp(logits[missing])
 
         chosen_logprobs = logits.gather(1, chosen[:, None]).squeeze(1) - lse
         top_logprobs = _top_logprobs(logits, lse, chosen, params)
@@ -128,38 +129,19 @@ class Sampler:
         if any(t != 1.0 for t in temps):
             inv_temp = 1.0 / torch.tensor(temps, device=device)[:, None]
         logits = _apply_top_k_top_p(logits, params, inv_temp)
-        # Unnormalised probs exp((x - max) / T): the draw needs no normalisation, and the row maximum
-        # is exactly 1, which is what min_p scales.
-        row_max = logits.amax(dim=-1, keepdim=True)
-        probs = logits - row_max
-        if inv_temp is not None:
-            probs.mul_(inv_temp)
-        probs.exp_()
-        min_ps = [p.min_p for p in params]
-        if any(m > 0 for m in min_ps):
-            min_p = torch.tensor(min_ps, device=device)[:, None]
-            probs.masked_fill_(probs < min_p, 0.0)
-        cdf = probs.cumsum_(dim=-1)
-        total = cdf[:, -1]
-        scaled_max = row_max.squeeze(1) if inv_temp is None else (row_max * inv_temp).squeeze(1)
-        return self._draw(cdf, requests), scaled_max + total.log()
+        inv_temps = torch.ones(len(params), device=device) if inv_temp is None else inv_temp.squeeze(1)
+        min_ps = torch.tensor([max(p.min_p, 0.0) for p in params], device=device)
+        return ops.sample_from_logits(logits, inv_temps, min_ps, self._uniforms(requests, device))
 
-    def _draw(self, cdf: torch.Tensor, requests: Sequence[Any]) -> torch.Tensor:
-        """Inverse-CDF draw: one uniform per row instead of one random number per vocab entry."""
-        # cdf: [S, V] cumulative unnormalised probs, flat where a token is masked
-        device = cdf.device
+    def _uniforms(self, requests: Sequence[Any], device: torch.device) -> torch.Tensor:
+        """One uniform per row for the inverse-CDF draw (instead of one random number per vocab entry)."""
         uniforms = torch.rand(len(requests), device=device, dtype=torch.float64)
         for row, r in enumerate(requests):
             if r.sampling_params.seed is not None:
                 # A seeded row draws from its own generator only, so other rows cannot shift its stream.
                 uniforms[row] = torch.rand(1, generator=self._generator(r, device), device=device,
                                            dtype=torch.float64)
-        total = cdf[:, -1:]
-        # Strictly below the total, so the first cdf entry above it always exists and is a token with
-        # non-zero probability (the cdf only rises at such tokens).
-        below_total = torch.nextafter(total, torch.zeros_like(total))
-        target = torch.minimum((uniforms[:, None] * total).to(cdf.dtype), below_total)
-        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return uniforms
 
     def _generator(self, request: Any, device: torch.device) -> torch.Generator:
         gen = self._generators.get(request.request_id)

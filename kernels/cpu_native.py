@@ -1,7 +1,8 @@
 """Native CPU kernels: decode PagedAttention compiled once with the system C++ compiler, called by ctypes.
 
 Also fused RMSNorm (+ residual), SiLU-and-mul and rotary embedding (`csrc/elementwise_cpu.cpp`), one
-pass over memory each where torch runs several ops with temporaries.
+pass over memory each where torch runs several ops with temporaries, and the sampler's inverse-CDF draw
+and log-sum-exp over the vocabulary (`csrc/sampling_cpu.cpp`).
 
 The torch reference gathers every sequence's K/V into a padded copy before attending; on the CPU that copy
 and SDPA's small-query overhead were most of a decode step. `csrc/paged_attention_cpu.cpp` reads the
@@ -29,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (_CSRC / "paged_attention_cpu.cpp", _CSRC / "elementwise_cpu.cpp")
+SOURCES = (_CSRC / "paged_attention_cpu.cpp", _CSRC / "elementwise_cpu.cpp", _CSRC / "sampling_cpu.cpp")
 HEADERS = (_CSRC / "cpu_common.h",)
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 CACHE_ENV = "PAGEDSERVE_CACHE"
@@ -127,6 +128,8 @@ def load() -> ctypes.CDLL | None:
                      + [ctypes.c_float, ctypes.c_int])
             _declare(library, "pagedserve_silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                      + [ctypes.c_int])
+            _declare(library, "pagedserve_sample", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2)
+            _declare(library, "pagedserve_logsumexp", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
             _declare(library, "pagedserve_rotary", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_int])
             _library = library
         except Exception as exc:  # any failure means the torch path, never a broken engine
@@ -194,6 +197,34 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         table.data_ptr(), num_tokens, num_q_heads, num_kv_heads, head_dim, query.stride(0),
         key.stride(0), _DTYPE_CODES[query.dtype]), "rotary")
     return q_out, k_out
+
+
+def sample_from_logits(logits: torch.Tensor, inv_temps: torch.Tensor, min_ps: torch.Tensor,
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw per fp32 row and the row's normaliser; same contract as the reference."""
+    library = load()
+    rows, vocab = logits.shape
+    logits = logits.contiguous()
+    inv_temps = inv_temps.to(torch.float32).contiguous()
+    min_ps = min_ps.to(torch.float32).contiguous()
+    uniforms = uniforms.to(torch.float64).contiguous()
+    tokens = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    status = library.pagedserve_sample(logits.data_ptr(), inv_temps.data_ptr(), min_ps.data_ptr(),
+                                       uniforms.data_ptr(), tokens.data_ptr(), lse.data_ptr(), rows, vocab)
+    if status == 2:
+        raise ValueError("a logits row has no finite value to sample from")
+    _check(status, "sample")
+    return tokens, lse
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """Log-sum-exp of each contiguous fp32 row."""
+    library = load()
+    logits = logits.contiguous()
+    lse = torch.empty(logits.shape[0], dtype=torch.float32)
+    _check(library.pagedserve_logsumexp(logits.data_ptr(), lse.data_ptr(), *logits.shape), "logsumexp")
+    return lse
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -20,6 +20,8 @@ __all__ = [
     "compute_cos_sin_cache",
     "copy_blocks",
     "kernel_backend",
+    "logsumexp",
+    "sample_from_logits",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -142,3 +144,35 @@ def copy_blocks(
     if not block_mapping:
         return
     _impl("cache_triton", key_caches[0]).copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def _native_rows(logits: torch.Tensor) -> bool:
+    """CPU fp32 rows in auto mode with the native library: the sampler's ops run natively."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or _mode() != "auto":
+        return False
+    from . import cpu_native
+
+    return cpu_native.load() is not None
+
+
+def sample_from_logits(
+    logits: torch.Tensor,  # [R, V] fp32, -inf where masked
+    inv_temps: torch.Tensor,  # [R]
+    min_ps: torch.Tensor,  # [R]
+    uniforms: torch.Tensor,  # [R] float64 in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One inverse-CDF draw per row at its temperature and min_p; returns (tokens, log normaliser)."""
+    if _native_rows(logits):
+        from . import cpu_native
+
+        return cpu_native.sample_from_logits(logits, inv_temps, min_ps, uniforms)
+    return reference.sample_from_logits(logits, inv_temps, min_ps, uniforms)
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
+    """Log-sum-exp of each row."""
+    if _native_rows(logits):
+        from . import cpu_native
+
+        return cpu_native.logsumexp(logits)
+    return reference.logsumexp(logits)

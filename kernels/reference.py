@@ -268,3 +268,29 @@ def copy_blocks(
     dst = torch.tensor([d for _, d in block_mapping], dtype=torch.long, device=device)
     for cache in (*key_caches, *value_caches):
         cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def sample_from_logits(
+    logits: torch.Tensor,  # [R, V] fp32, -inf where masked
+    inv_temps: torch.Tensor,  # [R] 1 / temperature
+    min_ps: torch.Tensor,  # [R] 0 = off
+    uniforms: torch.Tensor,  # [R] float64 in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:  # -> tokens [R] int64, normaliser [R] fp32
+    """Inverse-CDF draw from exp((x - max) / T) with min_p applied; also max / T + log(total mass)."""
+    row_max = logits.amax(dim=-1, keepdim=True)
+    # The row maximum's prob is exactly 1, which is what min_p scales.
+    probs = ((logits - row_max) * inv_temps[:, None].to(logits.dtype)).exp_()
+    probs.masked_fill_(probs < min_ps[:, None].to(probs.dtype), 0.0)
+    cdf = probs.cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the first cdf entry above it always exists and is a token with
+    # non-zero probability (the cdf only rises at such tokens).
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum((uniforms[:, None] * total).to(cdf.dtype), below_total)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return tokens, (row_max.squeeze(1) * inv_temps.to(logits.dtype) + total.squeeze(1).log())
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
+    """Log-sum-exp of each row."""
+    return torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,59 @@
+"""The native CPU sampling ops (inverse-CDF draw, log-sum-exp) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import cpu_native, reference
+
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C++ compiler for the native kernels")
+
+
+def make_rows(rows: int = 64, vocab: int = 3000, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::3, ::7] = -float("inf")  # top-k/top-p masks arrive as -inf
+    inv_temps = 1.0 / (torch.rand(rows, generator=gen) * 1.5 + 0.2)
+    min_ps = torch.where(torch.arange(rows) % 4 == 0, torch.full((rows,), 0.05), torch.zeros(rows))
+    uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
+    return logits, inv_temps, min_ps, uniforms
+
+
+def test_native_draw_picks_the_reference_token_and_normaliser():
+    args = make_rows()
+    tokens, lse = cpu_native.sample_from_logits(*args)
+    want_tokens, want_lse = reference.sample_from_logits(*args)
+    # The same uniform lands in the same token unless it sits within float rounding of a cdf step.
+    assert (tokens == want_tokens).float().mean() >= 0.95
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_native_draw_never_picks_a_masked_or_min_p_excluded_token():
+    logits, inv_temps, min_ps, _ = make_rows(rows=256, vocab=500, seed=1)
+    uniforms = torch.linspace(0, 1, 256, dtype=torch.float64).clamp(max=1 - 1e-12)
+    tokens, _ = cpu_native.sample_from_logits(logits, inv_temps, min_ps, uniforms)
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+    assert torch.isfinite(chosen).all()
+    probs = ((chosen - logits.amax(-1)) * inv_temps).exp()
+    assert (probs >= min_ps).all()
+
+
+def test_native_draw_follows_the_distribution_quantile_by_quantile():
+    logits = torch.log(torch.tensor([0.1, 0.0, 0.25, 0.05, 0.6]))[None].repeat(1000, 1)
+    uniforms = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000
+    tokens, lse = cpu_native.sample_from_logits(logits, torch.ones(1000), torch.zeros(1000), uniforms)
+    counts = torch.bincount(tokens, minlength=5)
+    assert counts.tolist() == [100, 0, 250, 50, 600]
+    torch.testing.assert_close(lse, torch.zeros(1000), atol=1e-6, rtol=0)
+
+
+def test_native_logsumexp_equals_torch():
+    logits, *_ = make_rows(rows=16, vocab=49152, seed=2)
+    torch.testing.assert_close(cpu_native.logsumexp(logits), torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
+
+
+def test_a_row_with_nothing_to_sample_is_refused():
+    logits = torch.full((2, 8), -float("inf"))
+    logits[0, 3] = 1.0
+    with pytest.raises(ValueError, match="no finite value"):
+        cpu_native.sample_from_logits(logits, torch.ones(2), torch.zeros(2), torch.full((2,), 0.5, dtype=torch.float64))
