@@ -33,7 +33,8 @@ _HISTOGRAMS = {
 class EngineMetrics:
     """Gauges, counters and latency histograms of one llm model instance.
 
-    Only one thread (the response thread) calls it; counters follow the engine's cumulative stats.
+    Only one thread (the response thread) calls it; counters follow the engine's cumulative stats. Every
+    change is a round trip to the server that holds the GIL, so unchanged values are not resent.
     """
 
     def __init__(self, model_name: str, model_version: str):
@@ -55,6 +56,7 @@ class EngineMetrics:
             self._families.append(family)
             self._histograms[field] = family.Metric(labels=labels, buckets=_LATENCY_BUCKETS)
         self._last_counts = dict.fromkeys(_COUNTERS, 0)
+        self._last_gauges: dict[str, float | None] = dict.fromkeys(_GAUGES)
         failures = pb_utils.MetricFamily(name=STEP_FAILURES_METRIC, kind=pb_utils.MetricFamily.COUNTER,
                                          description="Engine steps that raised; their requests ended with an error.")
         self._families.append(failures)
@@ -63,7 +65,10 @@ class EngineMetrics:
     def update(self, stats: Any) -> None:
         """Set the gauges and advance the counters from an EngineStats snapshot."""
         for field, gauge in self._gauges.items():
-            gauge.set(float(getattr(stats, field)))
+            value = float(getattr(stats, field))
+            if value != self._last_gauges[field]:
+                gauge.set(value)
+                self._last_gauges[field] = value
         for field, counter in self._counters.items():
             value = int(getattr(stats, field))
             if value > self._last_counts[field]:

@@ -1,6 +1,6 @@
 """The decoupled Triton `llm` model: execute() only validates and enqueues; an engine thread drives the
-(not thread-safe) LLMEngine; a response thread sends. Every request ends with a FINAL response, errors
-and cancellations included.
+(not thread-safe) LLMEngine; a response thread sends; a cancel thread polls for cancelled requests.
+Every request ends with a FINAL response, errors and cancellations included.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,10 +23,15 @@ from .triton_metrics import EngineMetrics
 from .triton_utils import LLMRequestInputs, error_response, parse_llm_request, string_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# is_cancelled() is a round trip to the server process: poll at most this often while generating.
+# is_cancelled() is a round trip to the server process, one per in-flight request: the cancel thread makes
+# them at most this often, so the engine thread never waits on them.
 CANCEL_POLL_SECONDS = 0.05
 STATS_INTERVAL_SECONDS = 0.1
-GIL_YIELD_SECONDS = 2e-4
+# The longest a thread waits for the GIL while another runs Python (CPython's default is 5 ms). The response
+# thread drops and retakes the GIL around every send and the engine thread's Python between torch ops keeps
+# it busy, so at 5 ms each retake delayed tokens by milliseconds (and, back to back, starved the stub's own
+# threads until the engine went idle). Set for the whole stub process, which serves only this model.
+GIL_SWITCH_INTERVAL_SECONDS = 5e-4
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
 
 _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
@@ -71,7 +77,11 @@ def _starts_or_ends(output: Any) -> bool:
 
 @dataclass
 class _InFlight:
-    """One user request as the two threads see it; the detokenizer offsets belong to the response thread."""
+    """One user request as the threads see it; the detokenizer offsets belong to the response thread.
+
+    `closed` (under `lock`) is set before the FINAL response is sent: after it the server frees the response
+    factory, so the cancel thread must not ask is_cancelled() any more.
+    """
 
     request_id: str
     sender: Any
@@ -81,6 +91,16 @@ class _InFlight:
     token_ids: list[int] = field(default_factory=list)  # ensemble path: prompt + completion 0 so far
     prefix_offset: int = 0
     read_offset: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+    cancel_reported: bool = False  # cancel thread only
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    """Inbox message from the cancel thread: the client cancelled this request."""
+
+    request_id: str
 
 
 class TritonPythonModel:
@@ -96,6 +116,7 @@ class TritonPythonModel:
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._watch: queue.SimpleQueue = queue.SimpleQueue()  # requests for the cancel thread; None stops it
         self._engine: Any = None
         self._startup = threading.Condition()
         self._started = False
@@ -104,15 +125,20 @@ class TritonPythonModel:
         self._last_stats = 0.0
         self._fault_marker = os.environ.get(FAULT_MARKER_ENV, "")
         self._fault_ids: set[str] = set()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
         self._response_thread = threading.Thread(target=self._response_loop, name="pagedserve-responses", daemon=True)
         self._engine_thread = threading.Thread(target=self._engine_main, name="pagedserve-engine", daemon=True)
+        self._cancel_thread = threading.Thread(target=self._cancel_loop, name="pagedserve-cancel", daemon=True)
         self._response_thread.start()
         self._engine_thread.start()
+        self._cancel_thread.start()
         with self._startup:
             self._startup.wait_for(lambda: self._started)
         if self._startup_error is not None:
             self._outbox.put(None)
+            self._watch.put(None)
             self._response_thread.join()
+            self._cancel_thread.join()
             raise pb_utils.TritonModelException(f"the pagedserve engine failed to start: {self._startup_error!r}")
 
     def execute(self, requests: list) -> None:
@@ -132,10 +158,12 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        """End every in-flight request with an error response, then stop both threads."""
+        """End every in-flight request with an error response, then stop the threads."""
         self._closing = True
         self._inbox.put(_STOP)
         self._engine_thread.join(SHUTDOWN_TIMEOUT_SECONDS)
+        self._watch.put(None)
+        self._cancel_thread.join(SHUTDOWN_TIMEOUT_SECONDS)
         self._outbox.put(None)
         self._response_thread.join(SHUTDOWN_TIMEOUT_SECONDS)
 
@@ -165,24 +193,22 @@ class TritonPythonModel:
     def _engine_loop(self) -> None:
         engine = self._engine
         active: dict[str, _InFlight] = {}
-        last_poll = 0.0
         while True:
             busy = engine.has_unfinished_requests()
             if not busy:
                 self._outbox.put(("stats", engine.get_stats()))
+            # Idle: block until a request (or a cancellation) arrives, so a new request's first step starts
+            # as soon as execute() hands it over.
             for item in self._drain_inbox(block=not busy):
                 if item is _STOP:
                     self._shutdown(active)
                     return
-                self._add(item, active)
-            now = time.monotonic()
-            if active and now - last_poll >= CANCEL_POLL_SECONDS:
-                self._abort_cancelled(active)
-                last_poll = now
-            if engine.has_unfinished_requests() and self._step(active):
-                # Really sleep (not sleep(0)): the stub's own threads forward our responses to the server
-                # and need the GIL; a thread that steps back to back would starve them until it idles.
-                time.sleep(GIL_YIELD_SECONDS)
+                if isinstance(item, _Cancel):
+                    self._abort(item.request_id, active)
+                else:
+                    self._add(item, active)
+            if engine.has_unfinished_requests():
+                self._step(active)
 
     def _inject_fault(self, sched: Any) -> None:
         """The FAULT_MARKER_ENV test hook: raise once for each marked request this step schedules."""
@@ -210,18 +236,19 @@ class TritonPythonModel:
             self._outbox.put(("error", request, error))
             return
         active[request.request_id] = request
+        self._watch.put(request)
         if self._fault_marker and inputs.prompt and self._fault_marker in inputs.prompt:
             self._fault_ids.add(request.request_id)
 
-    def _abort_cancelled(self, active: dict[str, _InFlight]) -> None:
-        for request_id, request in list(active.items()):
-            if request.sender.is_cancelled():
-                self._engine.abort_request(request_id)
-                del active[request_id]
-                self._outbox.put(("cancelled", request))
+    def _abort(self, request_id: str, active: dict[str, _InFlight]) -> None:
+        """Abort a request the client cancelled, unless it already ended."""
+        request = active.pop(request_id, None)
+        if request is not None:
+            self._engine.abort_request(request_id)
+            self._outbox.put(("cancelled", request))
 
-    def _step(self, active: dict[str, _InFlight]) -> bool:
-        """Run one engine step and queue its outputs; True when there is something to send."""
+    def _step(self, active: dict[str, _InFlight]) -> None:
+        """Run one engine step and queue its outputs, metrics and responses in the order they should go out."""
         try:
             outputs = self._engine.step()
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
@@ -231,25 +258,30 @@ class TritonPythonModel:
                 self._engine.abort_request(request_id)
                 self._outbox.put(("error", request, RuntimeError(f"engine step failed: {error}")))
             active.clear()
-            return True
+            return
         failed = [output for output in outputs if output.error]
         if failed:
             pb_utils.Logger.log_error(f"pagedserve engine step failed ({failed[0].error}); "
                                       f"ended {len(failed)} request(s) with an error")
             self._outbox.put(("step_failure",))
         now = time.monotonic()
-        if now - self._last_stats >= STATS_INTERVAL_SECONDS or any(map(_starts_or_ends, outputs)):
-            # Metrics before responses: a client that got a token then reads /metrics sees this step.
-            self._outbox.put(("stats", self._engine.get_stats()))
-            self._last_stats = now
+        finals = []
         for output in outputs:
             request = active.get(output.request_id)
             if request is None:
                 continue  # cancelled meanwhile
             if output.finished:
                 del active[output.request_id]
-            self._outbox.put(("output", request, output, now))
-        return bool(outputs)
+                finals.append(("output", request, output, now))
+            else:
+                self._outbox.put(("output", request, output, now))
+        # Metrics after the tokens that carry on (they need not wait for the metric round trips) and before
+        # the final responses: a client that got its last response then reads /metrics sees this step.
+        if now - self._last_stats >= STATS_INTERVAL_SECONDS or any(map(_starts_or_ends, outputs)):
+            self._outbox.put(("stats", self._engine.get_stats()))
+            self._last_stats = now
+        for item in finals:
+            self._outbox.put(item)
 
     def _shutdown(self, active: dict[str, _InFlight]) -> None:
         error = RuntimeError("the llm model is shutting down")
@@ -266,6 +298,42 @@ class TritonPythonModel:
                 self._engine.abort_request(request.request_id)
             self._outbox.put(("error", request, error))
         active.clear()
+
+    # ---- cancel thread -------------------------------------------------------------------------
+
+    def _cancel_loop(self) -> None:
+        """Every CANCEL_POLL_SECONDS, ask each open request whether its client cancelled it; tell the engine."""
+        watched: list[_InFlight] = []
+        next_poll = 0.0
+        while True:
+            timeout = max(0.0, next_poll - time.monotonic()) if watched else None
+            try:
+                items = [self._watch.get(timeout=timeout)]
+            except queue.Empty:
+                items = []
+            while True:
+                try:
+                    items.append(self._watch.get_nowait())
+                except queue.Empty:
+                    break
+            if None in items:
+                return
+            if items and not watched:
+                next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+            watched.extend(items)
+            if time.monotonic() < next_poll:
+                continue
+            watched = [request for request in watched if not request.closed and not request.cancel_reported]
+            for request in watched:
+                if self._is_cancelled(request):
+                    request.cancel_reported = True
+                    self._inbox.put(_Cancel(request.request_id))
+            next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+
+    @staticmethod
+    def _is_cancelled(request: _InFlight) -> bool:
+        with request.lock:
+            return not request.closed and request.sender.is_cancelled()
 
     # ---- response thread -----------------------------------------------------------------------
 
@@ -296,30 +364,45 @@ class TritonPythonModel:
         elif kind == "error":
             self._send_error(item[1], item[2])
         elif kind == "cancelled":
-            response = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                "the request was cancelled", pb_utils.TritonError.CANCELLED))
-            item[1].sender.send(response, flags=FINAL)
+            self._send_final(item[1], pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                "the request was cancelled", pb_utils.TritonError.CANCELLED)))
+
+    @staticmethod
+    def _send_final(request: _InFlight, response: Any) -> None:
+        """Send a request's last response; the cancel thread stops asking about it first."""
+        with request.lock:
+            request.closed = True
+        request.sender.send(response, flags=FINAL)
 
     def _send_error(self, request: _InFlight, error: BaseException) -> None:
-        request.sender.send(error_response(error), flags=FINAL)
+        self._send_final(request, error_response(error))
 
     def _send_output(self, request: _InFlight, output: Any, now: float) -> None:
         num_new = sum(len(c.token_ids_delta) for c in output.outputs)
+        latency = None
         if num_new:
             if request.last_token_time is None:
-                self._metrics.observe("ttft", now - request.arrival)
+                latency = ("ttft", now - request.arrival)
             else:
-                self._metrics.observe("itl", now - request.last_token_time)
+                latency = ("itl", now - request.last_token_time)
             request.last_token_time = now
+        if not output.finished and not output.error:
+            # Each observation is a round trip to the server that holds the GIL: the token goes out first.
+            if request.inputs.stream and num_new:
+                tensors = self._output_tensors(request, output)
+                request.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
+            if latency:
+                self._metrics.observe(*latency)
+            return
+        # The last response goes out after its observations, so /metrics already counts the request.
+        if latency:
+            self._metrics.observe(*latency)
         if output.finished:
             self._metrics.observe("e2e", now - request.arrival)
         if output.error:
             self._send_error(request, RuntimeError(output.error))
             return
-        if not output.finished and not (request.inputs.stream and num_new):
-            return
-        tensors = self._output_tensors(request, output)
-        request.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if output.finished else 0)
+        self._send_final(request, pb_utils.InferenceResponse(output_tensors=self._output_tensors(request, output)))
 
     def _output_tensors(self, request: _InFlight, output: Any) -> list:
         inputs = request.inputs

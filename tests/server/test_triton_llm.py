@@ -138,6 +138,39 @@ def test_stop_stream_with_cancel_ends_the_request_and_frees_its_kv_blocks(triton
     assert triton_server.generate("llm", {"text_input": "Hi", "max_tokens": 2})["text_output"]
 
 
+def test_cancelling_one_of_several_streams_ends_only_that_one(triton_server):
+    before = triton_server.metric("vllm:generation_tokens_total")
+    max_tokens = 200
+    streams = [triton_server.open_stream("llm", {
+        "text_input": f"Stream {i} counts:", "stream": True, "return_num_output_tokens": True,
+        "sampling_parameters": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
+    }) for i in range(4)]
+    victim, victim_answers = streams[0]
+    try:
+        assert victim_answers.get(timeout=60)[1] is None
+        victim.stop_stream(cancel_requests=True)
+    finally:
+        victim.close()
+    for client, answers in streams[1:]:
+        try:
+            counts = []
+            while True:
+                result, error = answers.get(timeout=60)
+                assert error is None
+                if result.get_response().outputs:
+                    counts.append(int(result.as_numpy("num_output_tokens")[0]))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        finally:
+            client.close()
+        assert counts == list(range(1, max_tokens + 1))
+    assert _wait_for(lambda: triton_server.metric("vllm:num_requests_running") == 0
+                     and triton_server.metric("vllm:kv_cache_usage_perc") == 0.0)
+    # The three survivors ran to the end; the cancelled one stopped short of it.
+    generated = triton_server.metric("vllm:generation_tokens_total") - before
+    assert 3 * max_tokens < generated < 4 * max_tokens
+
+
 def test_metrics_page_carries_the_vllm_names(triton_server):
     triton_server.generate("llm", {"text_input": "Paged attention", "max_tokens": 3, "temperature": 0})
     text = triton_server.metrics_text()
