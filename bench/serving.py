@@ -1,10 +1,12 @@
 """Serving through Triton vs the in-process engine, on one seeded workload.
 
 `python bench/serving.py` starts tritonserver (the pagedserve repository) and drives the `llm` model
-with tritonclient gRPC streaming at concurrency 1, 8 and 32 (closed loop: each of C clients sends its
-next request when the previous one ends), and runs the same requests on an in-process `LLMEngine`
-with the same concurrency, the two interleaved level by level. It reports TTFT, inter-token latency and end-to-end latency (p50/p90/p99)
-and output tokens/s for both, the throughput ratio and the TTFT the Triton path adds, and writes
+with tritonclient gRPC streaming at concurrency 1, 8 and 32 (closed loop: each of C clients, one gRPC
+stream each, sends its next request when the previous one ends), and runs the same requests on an
+in-process `LLMEngine` with the same concurrency, the two interleaved level by level; at concurrency 1
+they alternate request by request, so both paths see the same machine load and the TTFT difference can
+be paired per prompt. It reports TTFT, inter-token latency and end-to-end latency (p50/p90/p99) and
+output tokens/s for both, the throughput ratio and the TTFT the Triton path adds, and writes
 bench/results/serving.json. `--tiny` uses a tiny random model (a smoke run of the wiring).
 """
 
@@ -68,7 +70,7 @@ def summarize(timings: list[Timing], wall_s: float) -> dict:
             "wall_s": round(wall_s, 3), "tok_s": round(tokens / wall_s, 2)}
 
 
-async def _triton_request(client, prompt: str, sampling: dict) -> Timing:
+def _triton_inputs(prompt: str, sampling: dict) -> list:
     import tritonclient.grpc.aio as grpcclient
 
     def tensor(name: str, array: np.ndarray, dtype: str):
@@ -76,7 +78,7 @@ async def _triton_request(client, prompt: str, sampling: dict) -> Timing:
         inp.set_data_from_numpy(array)
         return inp
 
-    inputs = [
+    return [
         tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
         tensor("stream", np.array([True]), "BOOL"),
         tensor("exclude_input_in_output", np.array([True]), "BOOL"),
@@ -85,50 +87,74 @@ async def _triton_request(client, prompt: str, sampling: dict) -> Timing:
         tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
     ]
 
-    async def requests():
-        yield {"model_name": "llm", "inputs": inputs}
 
-    timing = Timing(sent=time.perf_counter())
-    seen = 0
-    async for result, error in client.stream_infer(requests()):
-        now = time.perf_counter()
-        if error is not None:
-            raise RuntimeError(f"request failed: {error}")
-        counts = result.as_numpy("num_output_tokens")
-        if counts is not None:
-            total = int(counts[0])
-            timing.arrivals.append(now)
-            timing.tokens.append(total - seen)
-            seen = total
-        # The aio client cannot ask for Triton's final flag; the llm's last response has a finish reason.
-        if result.as_numpy("finish_reason")[0]:
-            break
-    return timing
+class TritonStream:
+    """One client's gRPC stream to the `llm` model, kept open across its requests (as a streaming client
+    would), so a request pays no stream set-up."""
+
+    def __init__(self, client, sampling: dict):
+        self._sampling = sampling
+        self._requests: asyncio.Queue = asyncio.Queue()
+        self._responses = client.stream_infer(self._request_iterator())
+
+    async def _request_iterator(self):
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def request(self, prompt: str) -> Timing:
+        """Send one prompt and read its streamed responses until the last."""
+        inputs = _triton_inputs(prompt, self._sampling)
+        timing = Timing(sent=time.perf_counter())
+        await self._requests.put({"model_name": "llm", "inputs": inputs})
+        seen = 0
+        async for result, error in self._responses:
+            now = time.perf_counter()
+            if error is not None:
+                raise RuntimeError(f"request failed: {error}")
+            counts = result.as_numpy("num_output_tokens")
+            if counts is not None:
+                total = int(counts[0])
+                timing.arrivals.append(now)
+                timing.tokens.append(total - seen)
+                seen = total
+            # The aio client cannot ask for Triton's final flag; the llm's last response has a finish reason.
+            if result.as_numpy("finish_reason")[0]:
+                return timing
+        raise RuntimeError("the stream ended before the request's last response")
+
+    async def close(self) -> None:
+        """End the stream."""
+        await self._requests.put(None)
 
 
-async def _closed_loop(concurrency: int, prompts: list[str], run_one) -> tuple[list[Timing], float]:
+async def _closed_loop(concurrency: int, prompts: list[str], new_client) -> tuple[list[Timing], float]:
     """C workers, each sending its next prompt when the previous request ends."""
     queue = list(reversed(prompts))
     timings: list[Timing] = []
 
     async def worker():
-        while queue:
-            timings.append(await run_one(queue.pop()))
+        stream = new_client()
+        try:
+            while queue:
+                timings.append(await stream.request(queue.pop()))
+        finally:
+            await stream.close()
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return timings, time.perf_counter() - start
 
 
-def run_triton(grpc_url: str, concurrency: int, prompts: list[str], sampling: dict) -> dict:
-    """One concurrency level through tritonserver's gRPC streaming."""
+def run_triton(grpc_url: str, concurrency: int, prompts: list[str], sampling: dict, warmup: list[str]) -> dict:
+    """One concurrency level through tritonserver's gRPC streaming, after `warmup` (prompts not in the level,
+    so the server's prefix cache holds none of the measured ones)."""
     import tritonclient.grpc.aio as grpcclient
 
     async def main():
         client = grpcclient.InferenceServerClient(grpc_url)
         try:
-            await _closed_loop(concurrency, prompts[:concurrency], lambda p: _triton_request(client, p, sampling))
-            return await _closed_loop(concurrency, prompts, lambda p: _triton_request(client, p, sampling))
+            await _closed_loop(concurrency, warmup[:concurrency], lambda: TritonStream(client, sampling))
+            return await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
         finally:
             await client.close()
 
@@ -136,19 +162,15 @@ def run_triton(grpc_url: str, concurrency: int, prompts: list[str], sampling: di
     return summarize(timings, wall)
 
 
-def run_inprocess(engine, concurrency: int, prompts: list[str], sampling: dict) -> dict:
-    """The same closed loop on the in-process engine, one thread, timestamps taken at each step's end."""
+def _inprocess_timings(engine, concurrency: int, prompts: list[str], sampling: dict) -> tuple[list[Timing], float]:
     from pagedserve.backend.sampling_params import SamplingParams
 
     params = SamplingParams.from_dict(sampling)
     pending = list(reversed(prompts))
     timings: dict[str, Timing] = {}
-    counter = 0
 
     def admit() -> None:
-        nonlocal counter
-        rid = f"bench-{counter}"
-        counter += 1
+        rid = f"bench-{time.perf_counter_ns()}-{len(timings)}"
         timings[rid] = Timing(sent=time.perf_counter())
         engine.add_request(rid, pending.pop(), params)
 
@@ -165,7 +187,43 @@ def run_inprocess(engine, concurrency: int, prompts: list[str], sampling: dict) 
                 timings[out.request_id].tokens.append(new)
             if out.finished and pending:
                 admit()
-    return summarize(list(timings.values()), time.perf_counter() - start)
+    return list(timings.values()), time.perf_counter() - start
+
+
+def run_inprocess(engine, concurrency: int, prompts: list[str], sampling: dict) -> dict:
+    """The same closed loop on the in-process engine, one thread, timestamps taken at each step's end."""
+    return summarize(*_inprocess_timings(engine, concurrency, prompts, sampling))
+
+
+def run_alternating(engine, grpc_url: str, prompts: list[str], sampling: dict, warmup: list[str]) -> tuple:
+    """Concurrency 1 on both paths, request by request in turn: (in-process, Triton, paired TTFT added).
+
+    Each path's wall time is the sum of its own requests' durations; the paired figure is the median over
+    prompts of Triton's TTFT minus the in-process TTFT for the same prompt.
+    """
+    import tritonclient.grpc.aio as grpcclient
+
+    async def main():
+        client = grpcclient.InferenceServerClient(grpc_url)
+        stream = TritonStream(client, sampling)
+        local, remote, walls = [], [], [0.0, 0.0]
+        try:
+            await stream.request(warmup[0])
+            for prompt in prompts:
+                timings, wall = _inprocess_timings(engine, 1, [prompt], sampling)
+                local += timings
+                walls[0] += wall
+                start = time.perf_counter()
+                remote.append(await stream.request(prompt))
+                walls[1] += time.perf_counter() - start
+        finally:
+            await stream.close()
+            await client.close()
+        return local, remote, walls
+
+    local, remote, (local_wall, remote_wall) = asyncio.run(main())
+    paired = [(r.arrivals[0] - r.sent - (i.arrivals[0] - i.sent)) * 1e3 for i, r in zip(local, remote, strict=True)]
+    return summarize(local, local_wall), summarize(remote, remote_wall), round(float(np.median(paired)), 3)
 
 
 def main() -> int:
@@ -174,7 +232,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="use a tiny random model (smoke run)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
+    parser.add_argument("--min-requests", type=int, default=16, help="at least this many requests per level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--min-words", type=int, default=16)
     parser.add_argument("--max-words", type=int, default=64)
@@ -216,22 +274,28 @@ def main() -> int:
     levels = {c: make_workload(max(c * args.requests_per_client, args.min_requests), args.seed + c,
                                args.min_words, args.max_words)
               for c in args.concurrency}
+    # Warm-up prompts share no level's seed: neither path's prefix cache starts with a measured prompt.
+    warmup = make_workload(max(args.concurrency), args.seed + 1_000_003, args.min_words, args.max_words)
 
     print(f"in-process engine and tritonserver: {model}", flush=True)
     engine = LLMEngine.from_pretrained(model, **{k: _typed(v) for k, v in params.items()})
-    engine.generate(levels[args.concurrency[0]][:1], None)  # warm-up
+    engine.generate(warmup[:1], None)
     device = str(engine.runner.device)
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work / "models", model, params)
     http_port, grpc_port, metrics_port = free_loopback_ports(3)
     server = TritonServer(repository, work_dir=work, http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, log_file=work / "tritonserver.log")
-    inprocess, triton = {}, {}
+    inprocess, triton, paired = {}, {}, {}
     with server:
         server.wait_ready(900)
         # Interleaved per level, so a change in the shared machine's load hits both paths alike.
         for c, prompts in levels.items():
-            inprocess[c] = run_inprocess(engine, c, prompts, sampling)
-            triton[c] = run_triton(server.grpc_url, c, prompts, sampling)
+            if c == 1:
+                inprocess[c], triton[c], paired[c] = run_alternating(engine, server.grpc_url, prompts, sampling,
+                                                                     warmup)
+            else:
+                inprocess[c] = run_inprocess(engine, c, prompts, sampling)
+                triton[c] = run_triton(server.grpc_url, c, prompts, sampling, warmup)
             print(f"  concurrency {c}: in-process {inprocess[c]['tok_s']} tok/s, triton {triton[c]['tok_s']} tok/s",
                   flush=True)
 
@@ -245,7 +309,7 @@ def main() -> int:
         "concurrency": {},
     }
     print(f"{'C':>3} {'triton tok/s':>13} {'in-proc tok/s':>14} {'ratio':>6} {'TTFT p50 +ms':>13} "
-          f"{'ITL p50 ms':>11} {'E2E p99 ms':>11}")
+          f"{'paired +ms':>11} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
     for c in args.concurrency:
         t, i = triton[c], inprocess[c]
         row = {
@@ -256,9 +320,12 @@ def main() -> int:
             "triton": t,
             "inprocess": i,
         }
+        if c in paired:
+            row["ttft_ms_added_paired_p50"] = paired[c]
         results["concurrency"][str(c)] = row
         print(f"{c:>3} {row['triton_tok_s']:>13.1f} {row['inprocess_tok_s']:>14.1f} {row['ratio']:>6.3f} "
-              f"{row['ttft_ms_p50_added']:>13.2f} {t['itl_ms']['p50']:>11.2f} {t['e2e_ms']['p99']:>11.1f}")
+              f"{row['ttft_ms_p50_added']:>13.2f} {paired.get(c, float('nan')):>11.2f} {t['itl_ms']['p50']:>11.2f} "
+              f"{t['e2e_ms']['p99']:>11.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
