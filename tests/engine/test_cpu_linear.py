@@ -1,0 +1,41 @@
+"""Prepacked oneDNN linear layers: what the CPU model runs instead of F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.backend.model.cpu_linear import PackedLinear, can_prepack, prepack_linears
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN packed linear")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_linear_is_bit_identical_in_bf16(rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(PackedLinear(linear, 64)(x), linear(x))
+
+
+def test_packed_linear_matches_fp32_to_rounding():
+    torch.manual_seed(1)
+    linear = nn.Linear(576, 300, bias=False)
+    x = torch.randn(33, 576)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(linear, 64)(x), linear(x), atol=1e-4, rtol=1e-5)
+
+
+def test_prepack_replaces_every_linear_and_keeps_a_tied_embedding_table():
+    model = nn.Module()
+    model.embed = nn.Embedding(50, 16)
+    model.block = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16, bias=False))
+    model.head = nn.Linear(16, 50, bias=False)
+    model.head.weight = model.embed.weight
+    ids = torch.tensor([3, 7, 49])
+    with torch.inference_mode():
+        want = model.head(model.block(model.embed(ids)))
+        assert prepack_linears(model) == 3
+        assert not any(isinstance(m, nn.Linear) for m in model.modules())
+        torch.testing.assert_close(model.head(model.block(model.embed(ids))), want, atol=1e-5, rtol=1e-5)
