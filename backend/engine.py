@@ -248,7 +248,10 @@ class LLMEngine:
                     children.append((group, child))
                     requests.append(child)
                     rows.append(row)
-        sampled = self.sampler(runner_out.sample_logits[rows], requests) if requests else None
+        logits = runner_out.sample_logits
+        if rows != list(range(logits.shape[0])):  # the usual case needs no copy of the [R, V] logits
+            logits = logits[rows]
+        sampled = self.sampler(logits, requests) if requests else None
         tokens = (
             {}
             if sampled is None

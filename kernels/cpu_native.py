@@ -128,6 +128,7 @@ def load() -> ctypes.CDLL | None:
                      + [ctypes.c_float, ctypes.c_int])
             _declare(library, "pagedserve_silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
                      + [ctypes.c_int])
+            _declare(library, "pagedserve_bf16_to_float", [ctypes.c_void_p] * 2 + [ctypes.c_int64])
             _declare(library, "pagedserve_sample", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2)
             _declare(library, "pagedserve_logsumexp", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
             _declare(library, "pagedserve_rotary", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_int])
@@ -216,6 +217,15 @@ def sample_from_logits(logits: torch.Tensor, inv_temps: torch.Tensor, min_ps: to
         raise ValueError("a logits row has no finite value to sample from")
     _check(status, "sample")
     return tokens, lse
+
+
+def bf16_to_float(x: torch.Tensor) -> torch.Tensor:
+    """An fp32 copy of a bf16 tensor (exact), in one vectorised pass."""
+    library = load()
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _check(library.pagedserve_bf16_to_float(x.data_ptr(), out.data_ptr(), x.numel()), "bf16_to_float")
+    return out
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ __all__ = [
     "copy_blocks",
     "kernel_backend",
     "logsumexp",
+    "to_float32",
     "sample_from_logits",
     "paged_attention",
     "reshape_and_cache",
@@ -176,3 +177,13 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
 
         return cpu_native.logsumexp(logits)
     return reference.logsumexp(logits)
+
+
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32 (the logits the sampler reads); bf16 CPU tensors widen natively."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _mode() == "auto":
+        from . import cpu_native
+
+        if cpu_native.load() is not None:
+            return cpu_native.bf16_to_float(x)
+    return x.float()

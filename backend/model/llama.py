@@ -150,4 +150,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] fp32
         """Project selected hidden rows onto the vocabulary, in fp32."""
-        return self.lm_head(hidden).float()
+        return ops.to_float32(self.lm_head(hidden))

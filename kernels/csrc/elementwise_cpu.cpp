@@ -122,6 +122,13 @@ int pagedserve_rms_norm(void* out, void* summed, const void* x, const void* resi
   return 0;
 }
 
+// bf16 -> fp32 widening of n contiguous values (the logits), exact.
+int pagedserve_bf16_to_float(const void* src, float* dst, int64_t n) {
+  const uint16_t* in = static_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(in[i]);
+  return 0;
+}
+
 int pagedserve_silu_and_mul(void* out, const void* x, int64_t rows, int64_t inter, int dtype) {
   if (dtype == kFloat32) {
     silu_and_mul(static_cast<float*>(out), static_cast<const float*>(x), rows, inter);

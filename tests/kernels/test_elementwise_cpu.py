@@ -73,3 +73,12 @@ def test_unsupported_dtypes_fall_back_to_the_reference():
     torch.testing.assert_close(elementwise_cpu.silu_and_mul(x), reference.silu_and_mul(x))
     w = torch.ones(16, dtype=torch.float64)
     torch.testing.assert_close(elementwise_cpu.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+
+
+def test_logits_widen_from_bf16_exactly(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
+    x = (torch.randn(5, 1000) * 30).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    got = ops.to_float32(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float(), equal_nan=True, atol=0, rtol=0)
