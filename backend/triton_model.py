@@ -28,9 +28,10 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_SECONDS = 0.05
 STATS_INTERVAL_SECONDS = 0.1
 # The longest a thread waits for the GIL while another runs Python (CPython's default is 5 ms). The response
-# thread drops and retakes the GIL around every send and the engine thread's Python between torch ops keeps
-# it busy, so at 5 ms each retake delayed tokens by milliseconds (and, back to back, starved the stub's own
-# threads until the engine went idle). Set for the whole stub process, which serves only this model.
+# and cancel threads drop and retake the GIL around every round trip to the server while the engine thread's
+# Python between torch ops keeps it busy, so each retake could cost up to 5 ms; with back-to-back steps the
+# stub's own threads lagged the same way. Bounding the wait replaces a sleep after every step. Set for the
+# whole stub process, which serves only this model.
 GIL_SWITCH_INTERVAL_SECONDS = 5e-4
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
 

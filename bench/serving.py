@@ -232,7 +232,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="use a tiny random model (smoke run)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-client", type=int, default=2)
-    parser.add_argument("--min-requests", type=int, default=16, help="at least this many requests per level")
+    parser.add_argument("--min-requests", type=int, default=32, help="at least this many requests per level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--min-words", type=int, default=16)
     parser.add_argument("--max-words", type=int, default=64)
