@@ -61,14 +61,14 @@ def _compiler() -> str | None:
 
 def _cpu_signature() -> str:
     """What -march=native depends on: a cache folder shared between different CPUs must not mix builds."""
+    keys = ("flags", "Features", "model name", "CPU part")
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            for line in info:
-                if line.startswith(("flags", "Features", "model name")):
-                    return line
+            first_cpu = info.read().split("\n\n", 1)[0]
     except OSError:
-        pass
-    return os.uname().machine
+        first_cpu = ""
+    lines = [line for line in first_cpu.splitlines() if line.startswith(keys)]
+    return "\n".join([os.uname().machine, *lines])
 
 
 def _library_path(compiler: str) -> Path:
