@@ -257,6 +257,7 @@ def main() -> int:
         prepare_model_repository,
     )
 
+    load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
     if args.tiny:
         from pagedserve.backend.testing import make_tiny_model
@@ -300,7 +301,10 @@ def main() -> int:
                   flush=True)
 
     results = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "device": device},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "device": device,
+                    "cpu_count": os.cpu_count(),
+                    "load_average_1_5_15": {"before": [round(x, 2) for x in load_before],
+                                            "after": [round(x, 2) for x in os.getloadavg()]}},
         "model": Path(model).name,
         "workload": {"sampling": sampling, "requests_per_client": args.requests_per_client,
                      "min_requests": args.min_requests,
