@@ -131,6 +131,8 @@ def load() -> ctypes.CDLL | None:
             _declare(library, "pagedserve_bf16_to_float", [ctypes.c_void_p] * 2 + [ctypes.c_int64])
             _declare(library, "pagedserve_sample", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2)
             _declare(library, "pagedserve_logsumexp", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
+            _declare(library, "pagedserve_rotary_and_cache", [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 7
+                     + [ctypes.c_int])
             _declare(library, "pagedserve_rotary", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_int])
             _library = library
         except Exception as exc:  # any failure means the torch path, never a broken engine
@@ -235,6 +237,23 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     lse = torch.empty(logits.shape[0], dtype=torch.float32)
     _check(library.pagedserve_logsumexp(logits.data_ptr(), lse.data_ptr(), *logits.shape), "logsumexp")
     return lse
+
+
+def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, cos_sin_cache: torch.Tensor, key_cache: torch.Tensor,
+                               value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotated query (new tensor); the rotated key and the value go straight into their cache slots."""
+    library = load()
+    num_tokens, num_q_heads, head_dim = query.shape
+    q_out = torch.empty(query.shape, dtype=query.dtype)
+    pos = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    _check(library.pagedserve_rotary_and_cache(
+        q_out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(), pos.data_ptr(),
+        _float_table(cos_sin_cache).data_ptr(), slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        num_tokens, num_q_heads, key.shape[1], head_dim, query.stride(0), key.stride(0), value.stride(0),
+        _DTYPE_CODES[query.dtype]), "rotary_and_cache")
+    return q_out
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -50,3 +50,25 @@ def rotary_embedding(
     if not rows_dense or head_dim % 2 or not _native(query, key):
         return reference.rotary_embedding(positions, query, key, cos_sin_cache)
     return cpu_native.rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
+) -> torch.Tensor:
+    """Rotate query and key; write the rotated key and the value into their slots; return the query."""
+    head_dim = query.shape[-1]
+    rows_dense = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))
+    caches_dense = key_cache.is_contiguous() and value_cache.is_contiguous()
+    if not rows_dense or not caches_dense or head_dim % 2 or not _native(query, key, value, key_cache, value_cache):
+        query, key = reference.rotary_embedding(positions, query, key, cos_sin_cache)
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return query
+    return cpu_native.rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, key_cache,
+                                                 value_cache, slot_mapping)

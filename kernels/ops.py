@@ -27,6 +27,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
 ]
 
@@ -119,6 +120,29 @@ def rotary_embedding(
     """Neox-style rotary embedding; returns new (query, key) tensors."""
     module = _cpu_impl("elementwise_triton", "elementwise_cpu", query)
     return module.rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; -1 skipped
+) -> torch.Tensor:
+    """rotary_embedding, then reshape_and_cache of the rotated key and the value; returns the rotated query.
+
+    One native pass on the CPU (the rotated key goes straight into its slot); elsewhere the two ops.
+    """
+    module = _cpu_impl("elementwise_triton", "elementwise_cpu", query)
+    if module.__name__.endswith("elementwise_cpu"):
+        return module.rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, key_cache,
+                                                 value_cache, slot_mapping)
+    query, key = rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return query
 
 
 def rms_norm(

@@ -51,9 +51,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         key_cache, value_cache = kv_cache
-        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        q = ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
+                                           meta.slot_mapping)
         out = ops.paged_attention(
             q,
             key_cache,

@@ -104,9 +104,56 @@ void rotary(T* q_out, T* k_out, const T* q, const T* k, const int64_t* positions
   }
 }
 
+// Rotary embedding of q into q_out, and of k straight into its KV-cache slot with v beside it (the
+// cache is [num_blocks * block_size slots, kv_heads, head_dim]); a slot of -1 writes nothing.
+template <typename T>
+void rotary_and_cache(T* q_out, const T* q, const T* k, const T* v, const int64_t* positions, const float* cos_sin,
+                      const int64_t* slots, T* key_cache, T* value_cache, int64_t tokens, int64_t q_heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride) {
+  const int64_t half = head_dim / 2;
+  const int64_t slot_size = kv_heads * head_dim;
+  std::vector<float> cos(half), sin(half);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = cos_sin + positions[t] * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      cos[i] = Elem<T>::round(row[i]);
+      sin[i] = Elem<T>::round(row[half + i]);
+    }
+    for (int64_t h = 0; h < q_heads; ++h) {
+      rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
+    }
+    if (slots[t] < 0) continue;
+    T* k_slot = key_cache + slots[t] * slot_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      rotate(k_slot + h * head_dim, k + t * k_stride + h * head_dim, cos.data(), sin.data(), half);
+    }
+    std::memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, slot_size * sizeof(T));
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+int pagedserve_rotary_and_cache(void* q_out, const void* q, const void* k, const void* v, const int64_t* positions,
+                                const float* cos_sin, const int64_t* slots, void* key_cache, void* value_cache,
+                                int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t q_stride, int64_t k_stride, int64_t v_stride, int dtype) {
+  if (dtype == kFloat32) {
+    rotary_and_cache(static_cast<float*>(q_out), static_cast<const float*>(q), static_cast<const float*>(k),
+                     static_cast<const float*>(v), positions, cos_sin, slots, static_cast<float*>(key_cache),
+                     static_cast<float*>(value_cache), tokens, q_heads, kv_heads, head_dim, q_stride, k_stride,
+                     v_stride);
+  } else if (dtype == kBFloat16) {
+    rotary_and_cache(static_cast<uint16_t*>(q_out), static_cast<const uint16_t*>(q),
+                     static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), positions, cos_sin, slots,
+                     static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache), tokens, q_heads,
+                     kv_heads, head_dim, q_stride, k_stride, v_stride);
+  } else {
+    return 1;
+  }
+  return 0;
+}
 
 int pagedserve_rms_norm(void* out, void* summed, const void* x, const void* residual, const void* weight,
                         int64_t rows, int64_t hidden, float eps, int dtype) {

@@ -82,3 +82,23 @@ def test_logits_widen_from_bf16_exactly(monkeypatch):
     got = ops.to_float32(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, x.float(), equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_cache_writes_the_same_cache_as_the_two_reference_ops(dtype):
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, hq, hkv, d, block_size = 11, 6, 2, 32, 4
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
+    table = compute_cos_sin_cache(d, 256, 10000.0, None, dtype)
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    slots = torch.randperm(6 * block_size, generator=gen)[:num_tokens]
+    slots[4] = -1  # a padding token writes nothing
+    caches = [torch.zeros(6, block_size, hkv, d, dtype=dtype) for _ in range(4)]
+    got_q = elementwise_cpu.rotary_embedding_and_cache(positions, q, k, v, table, caches[0], caches[1], slots)
+    want_q, want_k = reference.rotary_embedding(positions, q, k, table)
+    reference.reshape_and_cache(want_k, v, caches[2], caches[3], slots)
+    assert_matches_reference(got_q, want_q)
+    assert_matches_reference(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])
