@@ -6,6 +6,7 @@ Not thread-safe: one thread drives add_request / abort_request / step.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import uuid
@@ -88,7 +89,12 @@ class LLMEngine:
         model_config = ModelConfig(
             model=str(model), **{k: v for k, v in kwargs.items() if k in _CONFIG_FIELDS[ModelConfig]}
         )
-        return cls(model_config, configs[CacheConfig], configs[SchedulerConfig])
+        engine = cls(model_config, configs[CacheConfig], configs[SchedulerConfig])
+        # What start-up made (weights' modules, tokenizer, block pool) lives as long as the engine: out of
+        # the garbage collector's full passes, which otherwise rescan it every few hundred steps.
+        gc.collect()
+        gc.freeze()
+        return engine
 
     # ------------------------------------------------------------------ requests
 

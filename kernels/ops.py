@@ -43,10 +43,24 @@ def _has_triton() -> bool:
 
 
 def _mode() -> str:
-    mode = os.environ.get("PAGEDSERVE_KERNELS", "auto").strip().lower() or "auto"
+    raw = os.environ.get("PAGEDSERVE_KERNELS")
+    if raw is None:  # the common case: a dozen dispatches per layer, so no string work
+        return "auto"
+    mode = raw.strip().lower() or "auto"
     if mode not in _MODES:
         raise ValueError(f"PAGEDSERVE_KERNELS must be one of {', '.join(_MODES)}; got {mode!r}")
     return mode
+
+
+_modules: dict[str, ModuleType] = {}
+
+
+def _module(name: str) -> ModuleType:
+    """A kernels submodule, imported on first use and then looked up in a dict."""
+    module = _modules.get(name)
+    if module is None:
+        module = _modules[name] = importlib.import_module(f".{name}", __package__)
+    return module
 
 
 def kernel_backend(tensor: torch.Tensor) -> str:
@@ -65,7 +79,7 @@ def _impl(name: str, tensor: torch.Tensor) -> ModuleType:
     """The module holding `name` for this tensor's backend."""
     if kernel_backend(tensor) == "torch":
         return reference
-    return importlib.import_module(f".{name}", __package__)
+    return _module(name)
 
 
 def _cpu_impl(name: str, cpu_name: str, tensor: torch.Tensor) -> ModuleType:
@@ -73,7 +87,7 @@ def _cpu_impl(name: str, cpu_name: str, tensor: torch.Tensor) -> ModuleType:
     back to the reference by themselves); PAGEDSERVE_KERNELS=torch keeps the pure reference."""
     module = _impl(name, tensor)
     if module is reference and _mode() == "auto" and tensor.device.type == "cpu":
-        return importlib.import_module(f".{cpu_name}", __package__)
+        return _module(cpu_name)
     return module
 
 
