@@ -5,7 +5,9 @@ Not thread-safe: one thread drives add_request / abort_request / step.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -41,6 +43,12 @@ _CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
 
 FaultInjector = Callable[[SchedulerOutput], None]
 Group = RequestGroup | BeamGroup
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Hand frozen objects back to the collector at exit, so interpreter shutdown frees them as usual."""
+    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
@@ -94,6 +102,7 @@ class LLMEngine:
         # the garbage collector's full passes, which otherwise rescan it every few hundred steps.
         gc.collect()
         gc.freeze()
+        _unfreeze_at_exit()
         return engine
 
     # ------------------------------------------------------------------ requests
