@@ -111,7 +111,11 @@ class Scheduler:
                 f"whole cache ({self.block_manager.num_blocks} blocks of {self.block_size} tokens)",
                 "max_tokens",
             )
-        if self._num_waiting >= cfg.max_num_waiting:
+        # Requests that free running slots will take at the next step are not queued behind anyone: only
+        # the ones beyond them count against max_num_waiting, so a burst onto an idle server is refused
+        # the same way however its arrivals interleave with steps.
+        free_slots = max(cfg.max_num_seqs - len(self.running), 0)
+        if self._num_waiting - free_slots >= cfg.max_num_waiting:
             raise ServerBusyError(f"server busy: {self._num_waiting} requests already waiting")
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0

@@ -301,16 +301,36 @@ def test_max_tokens_none_is_resolved_to_the_room_left(runner_factory):
 
 
 def test_duplicate_id_and_full_queue_are_refused(runner_factory):
-    runner = runner_factory(max_num_waiting=2)
+    # One running slot, two waiting places: the first arrival takes the slot at the next step, so it
+    # does not count against the queue; the fourth is refused.
+    runner = runner_factory(max_num_waiting=2, max_num_seqs=1)
     runner.add("a", prompt(1, 4), 4)
     with pytest.raises(InvalidRequestError) as info:
         runner.add("a", prompt(1, 4), 4)
     assert info.value.field == "request_id"
     runner.add("b", prompt(1, 4), 4)
-    with pytest.raises(ServerBusyError):
-        runner.add("c", prompt(1, 4), 4)
-    runner.scheduler.abort("a")
     runner.add("c", prompt(1, 4), 4)
+    with pytest.raises(ServerBusyError):
+        runner.add("d", prompt(1, 4), 4)
+    runner.scheduler.abort("a")
+    runner.add("d", prompt(1, 4), 4)
+
+
+def test_queue_limit_counts_the_same_whether_a_burst_arrives_before_or_after_a_step(runner_factory):
+    def admitted(step_after_first: bool) -> int:
+        runner = runner_factory(max_num_waiting=4, max_num_seqs=2, num_blocks=64)
+        accepted = 0
+        for i in range(12):
+            try:
+                runner.add(f"r{i}", prompt(i + 1, 4), 20)
+                accepted += 1
+            except ServerBusyError:
+                pass
+            if step_after_first and i == 0:
+                runner.step()
+        return accepted
+
+    assert admitted(step_after_first=False) == admitted(step_after_first=True) == 6
 
 
 def test_kv_cache_usage_tracks_held_blocks(runner_factory):
