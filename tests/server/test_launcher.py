@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -123,10 +124,15 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
          f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", f"--openai-port={openai_port}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    # Read the launcher's output as it comes: it prints the URLs once the shim answers, which can be after
+    # the test's own readiness polls succeed.
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 900
         while _get(f"http://127.0.0.1:{http_port}/v2/health/ready") != 200:
-            assert launcher.poll() is None, launcher.stdout.read()
+            assert launcher.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "the server did not become ready"
             time.sleep(1)
         request = urllib.request.Request(
@@ -141,6 +147,9 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
             while _get(f"http://127.0.0.1:{openai_port}/v1/models") != 200:
                 assert time.monotonic() < deadline, "the OpenAI shim did not come up"
                 time.sleep(1)
+        while not any("Ctrl-C stops it." in line for line in lines):
+            assert time.monotonic() < deadline, "the launcher did not print its URLs"
+            time.sleep(0.2)
         assert _processes_mentioning(str(work_dir)), "tritonserver should run from the generated folder"
         # A long request still running at shutdown must not keep the launcher (or any process) alive.
         stream = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
@@ -156,7 +165,9 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
         assert answers.get(timeout=300)[1] is None
     finally:
         launcher.send_signal(signal.SIGTERM)
-        output, _ = launcher.communicate(timeout=120)
+        launcher.wait(timeout=120)
+        reader.join(timeout=30)
+    output = "".join(lines)
     errors = []
     while not answers.empty():
         errors.append(answers.get()[1])
