@@ -1,7 +1,8 @@
 """Kernel benchmarks.
 
-`python bench/kernels.py cpu` times the torch reference (the engine's CPU path) against a per-sequence
-loop (one gather and one SDPA per sequence), per layer, and writes bench/results/kernels_cpu.json.
+`python bench/kernels.py cpu` times the engine's CPU attention (native in-place decode kernel, unpadded
+prefill), the batched torch reference and a per-sequence loop (one gather and one SDPA per sequence),
+per layer, and writes bench/results/kernels_cpu.json.
 `python bench/kernels.py gpu-check --out DIR` is what bench/gpu_check.sh runs on a GPU machine: kernel
 correctness at real sizes, decode bandwidth, prefill TFLOP/s against SDPA, engine tokens/s.
 `--dry-run` runs gpu-check at tiny sizes on the CPU (TRITON_INTERPRET=1) to prove the wiring.
@@ -123,7 +124,7 @@ def per_sequence_loop(query, key_cache, value_cache, block_tables, cu_seqlens_q,
 
 def run_cpu(args: argparse.Namespace) -> dict:
     """Per-layer attention time of the CPU paths, SmolLM2-135M heads (9 query, 3 KV, D 64), block 16."""
-    from pagedserve.kernels import reference
+    from pagedserve.kernels import attention_cpu, reference
 
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
@@ -135,9 +136,11 @@ def run_cpu(args: argparse.Namespace) -> dict:
             pa, counts = paged_batch(lens, *heads, 16, dtype, device)
             row = {"phase": "decode", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
                    "context": context}
-            for name, fn in (("reference_ms", reference.paged_attention), ("per_sequence_ms", per_sequence_loop)):
+            for name, fn in (("engine_cpu_ms", attention_cpu.paged_attention), ("reference_ms", reference.paged_attention),
+                             ("per_sequence_ms", per_sequence_loop)):
                 row[name] = round(bench_ms(lambda fn=fn, pa=pa: fn(*pa), device, 2, args.rep), 3)
             row["speedup_vs_per_sequence"] = round(row["per_sequence_ms"] / row["reference_ms"], 2)
+            row["engine_speedup_vs_reference"] = round(row["reference_ms"] / row["engine_cpu_ms"], 2)
             rows.append(row)
             log(json.dumps(row))
         for num, q_len, context, decodes in ((4, 128, 512, 16), (1, 512, 512, 16), (8, 64, 1024, 16),
@@ -146,8 +149,11 @@ def run_cpu(args: argparse.Namespace) -> dict:
             pa, counts = paged_batch(lens, *heads, 16, dtype, device)
             row = {"phase": "mixed" if decodes else "prefill", "dtype": str(dtype).removeprefix("torch."),
                    "prefill_chunks": num, "chunk": q_len, "context": context, "decodes": decodes}
+            row["engine_cpu_ms"] = round(bench_ms(lambda pa=pa: attention_cpu.paged_attention(*pa), device, 1,
+                                                  args.rep), 3)
             row["reference_ms"] = round(bench_ms(lambda pa=pa: reference.paged_attention(*pa), device, 1, args.rep),
                                         3)
+            row["engine_speedup_vs_reference"] = round(row["reference_ms"] / row["engine_cpu_ms"], 2)
             row["per_sequence_ms"] = round(bench_ms(lambda pa=pa: per_sequence_loop(*pa), device, 1, args.rep), 3)
             row["speedup_vs_per_sequence"] = round(row["per_sequence_ms"] / row["reference_ms"], 2)
             rows.append(row)
