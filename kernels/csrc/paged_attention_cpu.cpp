@@ -47,6 +47,18 @@ inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n, floa
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i] * scale);
 }
 
+// The cache is far larger than any CPU cache and a sequence's blocks lie anywhere in it: while reading
+// slot j of a block, ask for slot j of the next block (one row ahead, spread over the block rather than
+// all at once). On 30 layers' caches (DRAM-resident, as in a real step) this made the kernel 20-26 %
+// faster; on a cache-resident pool it changes nothing.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    __builtin_prefetch(bytes + offset, 0, 3);
+  }
+}
+
 // HEAD_DIM > 0 fixes the row length at compile time (vectorised loops); 0 means `head_dim` at run time.
 // Each cache slot holds all KV heads back to back, so one pass over a sequence's blocks reads its context
 // sequentially, once for K and once for V, serving every query head.
@@ -73,7 +85,12 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
     for (int64_t first = 0; first < length; first += block_size) {
       const T* block = key_cache + static_cast<int64_t>(table[first / block_size]) * block_size * slot_stride;
       const int64_t count = std::min(block_size, length - first);
+      // The same slot of the next block (K, or the first V block after the last K block), a row ahead.
+      const T* ahead = first + block_size < length
+                           ? key_cache + static_cast<int64_t>(table[first / block_size + 1]) * block_size * slot_stride
+                           : value_cache + static_cast<int64_t>(table[0]) * block_size * slot_stride;
       for (int64_t j = 0; j < count; ++j) {
+        prefetch_row(ahead + j * slot_stride, slot_stride);
         load_row(block + j * slot_stride, row.data(), slot_stride);
         for (int64_t h = 0, qh = 0; h < num_kv_heads; ++h) {
           const float* kv = row.data() + h * head_dim;
@@ -105,7 +122,14 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       const T* block =
           value_cache + static_cast<int64_t>(table[first / block_size]) * block_size * slot_stride;
       const int64_t count = std::min(block_size, length - first);
+      const T* ahead =
+          first + block_size < length
+              ? value_cache + static_cast<int64_t>(table[first / block_size + 1]) * block_size * slot_stride
+              : (s + 1 < num_seqs ? key_cache + static_cast<int64_t>(block_tables[(s + 1) * block_table_stride]) *
+                                                    block_size * slot_stride
+                                  : block);
       for (int64_t j = 0; j < count; ++j) {
+        prefetch_row(ahead + j * slot_stride, slot_stride);
         load_row(block + j * slot_stride, row.data(), slot_stride);
         for (int64_t h = 0, qh = 0; h < num_kv_heads; ++h) {
           const float* vv = row.data() + h * head_dim;
