@@ -121,9 +121,8 @@ def load() -> ctypes.CDLL | None:
                 logger.info("building the native CPU attention kernel into %s", path)
                 _build(compiler, path)
             library = ctypes.CDLL(str(path))
-            fn = library.pagedserve_decode_attention
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+            _declare(library, "pagedserve_decode_attention", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8
+                     + [ctypes.c_float, ctypes.c_int])
             _declare(library, "pagedserve_rms_norm", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2
                      + [ctypes.c_float, ctypes.c_int])
             _declare(library, "pagedserve_silu_and_mul", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
@@ -259,8 +258,7 @@ def rotary_embedding_and_cache(positions: torch.Tensor, query: torch.Tensor, key
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True when decode_attention can serve these tensors (CPU, fp32/bf16, contiguous caches)."""
     return (
-        query.device.type == "cpu"
-        and query.dtype in _DTYPE_CODES
+        dtype_code(query) is not None
         and key_cache.dtype == query.dtype
         and key_cache.is_contiguous()
         and load() is not None
@@ -308,8 +306,7 @@ def decode_attention(
             tables[begin].data_ptr(), lens[begin].data_ptr(), end - begin, num_q_heads, num_kv_heads,
             head_dim, block_size, tables.stride(0), query.stride(0), out.stride(0), scale, code,
         )
-        if status != 0:
-            raise RuntimeError(f"native decode attention failed with status {status}")
+        _check(status, "decode attention")
 
     workers = min(torch.get_num_threads(), num_seqs // _MIN_SEQS_PER_THREAD)
     if workers <= 1:

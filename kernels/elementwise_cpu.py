@@ -61,14 +61,13 @@ def rotary_embedding_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
-) -> torch.Tensor:
-    """Rotate query and key; write the rotated key and the value into their slots; return the query."""
+) -> torch.Tensor | None:
+    """The rotated query, the rotated key and the value written into their slots, in one native pass;
+    None where the native kernel cannot serve these tensors (ops then runs the two ops in turn)."""
     head_dim = query.shape[-1]
     rows_dense = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))
     caches_dense = key_cache.is_contiguous() and value_cache.is_contiguous()
     if not rows_dense or not caches_dense or head_dim % 2 or not _native(query, key, value, key_cache, value_cache):
-        query, key = reference.rotary_embedding(positions, query, key, cos_sin_cache)
-        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-        return query
+        return None
     return cpu_native.rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, key_cache,
                                                  value_cache, slot_mapping)

@@ -151,9 +151,11 @@ def rotary_embedding_and_cache(
     One native pass on the CPU (the rotated key goes straight into its slot); elsewhere the two ops.
     """
     module = _cpu_impl("elementwise_triton", "elementwise_cpu", query)
-    if module.__name__.endswith("elementwise_cpu"):
-        return module.rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, key_cache,
-                                                 value_cache, slot_mapping)
+    if module is _modules.get("elementwise_cpu"):
+        fused = module.rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, key_cache,
+                                                  value_cache, slot_mapping)
+        if fused is not None:
+            return fused
     query, key = rotary_embedding(positions, query, key, cos_sin_cache)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return query
@@ -189,9 +191,7 @@ def _native_rows(logits: torch.Tensor) -> bool:
     """CPU fp32 rows in auto mode with the native library: the sampler's ops run natively."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or _mode() != "auto":
         return False
-    from . import cpu_native
-
-    return cpu_native.load() is not None
+    return _module("cpu_native").load() is not None
 
 
 def sample_from_logits(
@@ -202,26 +202,21 @@ def sample_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One inverse-CDF draw per row at its temperature and min_p; returns (tokens, log normaliser)."""
     if _native_rows(logits):
-        from . import cpu_native
-
-        return cpu_native.sample_from_logits(logits, inv_temps, min_ps, uniforms)
+        return _module("cpu_native").sample_from_logits(logits, inv_temps, min_ps, uniforms)
     return reference.sample_from_logits(logits, inv_temps, min_ps, uniforms)
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
     """Log-sum-exp of each row."""
     if _native_rows(logits):
-        from . import cpu_native
-
-        return cpu_native.logsumexp(logits)
+        return _module("cpu_native").logsumexp(logits)
     return reference.logsumexp(logits)
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:
     """x as fp32 (the logits the sampler reads); bf16 CPU tensors widen natively."""
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _mode() == "auto":
-        from . import cpu_native
-
-        if cpu_native.load() is not None:
-            return cpu_native.bf16_to_float(x)
+        native = _module("cpu_native")
+        if native.load() is not None:
+            return native.bf16_to_float(x)
     return x.float()
