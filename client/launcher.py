@@ -8,6 +8,7 @@ repository, waits until the server is ready and stops the whole process group on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import importlib.util
@@ -23,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -284,15 +285,22 @@ def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: st
     """Start the OpenAI shim beside the server when it is installed and wanted."""
     if args.no_openai or importlib.util.find_spec(OPENAI_MODULE) is None:
         return None
+    return spawn_openai_shim(server.grpc_url, server.metrics_url, args.host, args.openai_port, "--model", model,
+                             start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def spawn_openai_shim(triton_grpc_url: str, metrics_url: str, host: str, port: int, *shim_args: str,
+                      **popen_kwargs) -> subprocess.Popen:
+    """`python -m pagedserve.client.openai_server` in front of a running tritonserver."""
     cmd = [
         sys.executable, "-m", OPENAI_MODULE,
-        "--triton-url", server.grpc_url,
-        "--metrics-url", server.metrics_url,
-        "--model", model,
-        "--host", args.host,
-        "--port", str(args.openai_port),
+        "--triton-url", triton_grpc_url,
+        "--metrics-url", metrics_url,
+        "--host", host,
+        "--port", str(port),
+        *shim_args,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, **popen_kwargs)
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -307,6 +315,21 @@ def free_loopback_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+@contextlib.contextmanager
+def openai_shim_running(triton_grpc_url: str, metrics_url: str, *shim_args: str,
+                        timeout: float = 60.0) -> Iterator[str]:
+    """A shim on a free loopback port, ready (its /health answers); yields its base URL, stops it after."""
+    port = free_loopback_ports(1)[0]
+    proc = spawn_openai_shim(triton_grpc_url, metrics_url, "127.0.0.1", port, *shim_args)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http_ok(f"{url}/health", proc, timeout)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def wait_for_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,8 +19,8 @@ import pytest
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     TritonServer,
+    openai_shim_running,
     prepare_model_repository,
-    wait_for_http_ok,
 )
 
 _spec = importlib.util.spec_from_file_location(
@@ -111,18 +110,9 @@ def small_pool_server(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFa
 @pytest.fixture(scope="session")
 def shim_url(small_pool_server: RunningTriton) -> Iterator[str]:
     """The OpenAI shim (a subprocess, loopback) in front of small_pool_server."""
-    port = free_ports(1)[0]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.client.openai_server", "--triton-url", small_pool_server.grpc_url,
-         "--metrics-url", small_pool_server.metrics_url, "--port", str(port), "--model-name", "tiny"],
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http_ok(f"{url}/health", proc, SHIM_STARTUP_TIMEOUT_SECONDS)
+    with openai_shim_running(small_pool_server.grpc_url, small_pool_server.metrics_url, "--model-name", "tiny",
+                             timeout=SHIM_STARTUP_TIMEOUT_SECONDS) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

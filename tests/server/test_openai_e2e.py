@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from pagedserve.client.launcher import free_loopback_ports, wait_for_http_ok
+from pagedserve.client.launcher import openai_shim_running
 
 pytestmark = pytest.mark.slow
 
@@ -25,19 +23,10 @@ IDLE_TIMEOUT_SECONDS = 60
 @pytest.fixture(scope="module")
 def shim_url(triton_server) -> Iterator[str]:
     """`python -m pagedserve.client.openai_server` in front of the session tritonserver."""
-    port = free_loopback_ports(1)[0]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.client.openai_server", "--triton-url", triton_server.grpc_url,
-         "--metrics-url", f"http://{triton_server.metrics_url.split('//')[-1]}", "--host", "127.0.0.1",
-         "--port", str(port), "--model-name", MODEL],
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_http_ok(f"{url}/health", proc, STARTUP_TIMEOUT_SECONDS)
+    metrics_url = f"http://{triton_server.metrics_url.split('//')[-1]}"
+    with openai_shim_running(triton_server.grpc_url, metrics_url, "--model-name", MODEL,
+                             timeout=STARTUP_TIMEOUT_SECONDS) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
