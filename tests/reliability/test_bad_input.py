@@ -70,15 +70,6 @@ LLM_HTTP_CASES = {
 }
 
 
-@pytest.mark.parametrize("body, field", LLM_HTTP_CASES.values(), ids=LLM_HTTP_CASES.keys())
-def test_llm_http_generate_refuses_with_400_naming_the_field(small_pool_server, wait_idle, body, field):
-    status, text = small_pool_server.post("/v2/models/llm/generate", body)
-    assert status == 400, text
-    assert field in json.loads(text)["error"]
-    assert small_pool_server.generate("llm", GOOD_HTTP)["text_output"].startswith("Hello")
-    wait_idle(small_pool_server)
-
-
 # name: (gRPC stream inputs of the llm model, text the error must contain)
 LLM_GRPC_CASES = {
     "text_input sent as INT32": ({"text_input": np.array([7], dtype=np.int32)}, "text_input"),
@@ -120,12 +111,19 @@ ENSEMBLE_HTTP_CASES = {
 }
 
 
-@pytest.mark.parametrize("body, field", ENSEMBLE_HTTP_CASES.values(), ids=ENSEMBLE_HTTP_CASES.keys())
-def test_ensemble_http_generate_refuses_with_400_naming_the_field(small_pool_server, wait_idle, body, field):
-    status, text = small_pool_server.post("/v2/models/ensemble/generate", body)
+HTTP_CASES = [
+    pytest.param(model, body, field, id=f"{model}: {name}")
+    for model, cases in (("llm", LLM_HTTP_CASES), ("ensemble", ENSEMBLE_HTTP_CASES))
+    for name, (body, field) in cases.items()
+]
+
+
+@pytest.mark.parametrize("model, body, field", HTTP_CASES)
+def test_http_generate_refuses_with_400_naming_the_field(small_pool_server, wait_idle, model, body, field):
+    status, text = small_pool_server.post(f"/v2/models/{model}/generate", body)
     assert status == 400, text
     assert field in json.loads(text)["error"]
-    assert small_pool_server.generate("ensemble", GOOD_HTTP)["text_output"].startswith("Hello")
+    assert small_pool_server.generate(model, GOOD_HTTP)["text_output"].startswith("Hello")
     wait_idle(small_pool_server)
 
 
