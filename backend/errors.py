@@ -17,3 +17,7 @@ class InvalidRequestError(PagedServeError, ValueError):
 
 class ServerBusyError(PagedServeError):
     """The waiting queue is full (UNAVAILABLE / HTTP 503); the client may retry later."""
+
+
+class ShuttingDownError(PagedServeError):
+    """The model is being unloaded or the server is stopping (UNAVAILABLE / HTTP 503); retry elsewhere."""

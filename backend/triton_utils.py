@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .detokenizer import detokenize_incrementally
-from .errors import InvalidRequestError, ServerBusyError
+from .errors import InvalidRequestError, ServerBusyError, ShuttingDownError
 from .sampling_params import SamplingParams
 
 # KServe request parameters that Triton or its clients set for themselves, not sampling settings.
@@ -127,7 +127,7 @@ def error_response(error: BaseException) -> Any:
         if error.field and not message.startswith(error.field):
             # The field leads every refusal, so clients (the OpenAI shim's `param`) can read it off.
             message = f"{error.field}: {message}"
-    elif isinstance(error, ServerBusyError):
+    elif isinstance(error, (ServerBusyError, ShuttingDownError)):
         code = pb_utils.TritonError.UNAVAILABLE
     else:
         code = pb_utils.TritonError.INTERNAL

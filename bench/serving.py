@@ -5,8 +5,11 @@ with tritonclient gRPC streaming at concurrency 1, 8 and 32 (closed loop: each o
 stream each, sends its next request when the previous one ends), and runs the same requests on an
 in-process `LLMEngine` with the same concurrency, the two interleaved level by level; at concurrency 1
 they alternate request by request, so both paths see the same machine load and the TTFT difference can
-be paired per prompt. It reports TTFT, inter-token latency and end-to-end latency (p50/p90/p99) and
-output tokens/s for both, the throughput ratio and the TTFT the Triton path adds, and writes
+be paired per prompt. At higher concurrency the in-process engine also replays the Triton run's requests
+at the moments its clients sent them (the closed in-process loop resubmits at the very step boundary
+where a request ends, which no network client can), so the TTFT difference is also measured against the
+same arrivals. It reports TTFT, inter-token latency and end-to-end latency (p50/p90/p99) and output
+tokens/s for both, the throughput ratio and the TTFT the Triton path adds, and writes
 bench/results/serving.json. `--tiny` uses a tiny random model (a smoke run of the wiring).
 """
 
@@ -36,6 +39,7 @@ class Timing:
     """One request's client-side clock: send time, the arrival of each response, and tokens per response."""
 
     sent: float
+    prompt: str = ""
     arrivals: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
@@ -104,7 +108,7 @@ class TritonStream:
     async def request(self, prompt: str) -> Timing:
         """Send one prompt and read its streamed responses until the last."""
         inputs = _triton_inputs(prompt, self._sampling)
-        timing = Timing(sent=time.perf_counter())
+        timing = Timing(sent=time.perf_counter(), prompt=prompt)
         await self._requests.put({"model_name": "llm", "inputs": inputs})
         seen = 0
         async for result, error in self._responses:
@@ -145,9 +149,10 @@ async def _closed_loop(concurrency: int, prompts: list[str], new_client) -> tupl
     return timings, time.perf_counter() - start
 
 
-def run_triton(grpc_url: str, concurrency: int, prompts: list[str], sampling: dict, warmup: list[str]) -> dict:
+def run_triton(grpc_url: str, concurrency: int, prompts: list[str], sampling: dict,
+               warmup: list[str]) -> tuple[dict, list[Timing]]:
     """One concurrency level through tritonserver's gRPC streaming, after `warmup` (prompts not in the level,
-    so the server's prefix cache holds none of the measured ones)."""
+    so the server's prefix cache holds none of the measured ones): its summary and per-request timings."""
     import tritonclient.grpc.aio as grpcclient
 
     async def main():
@@ -159,7 +164,7 @@ def run_triton(grpc_url: str, concurrency: int, prompts: list[str], sampling: di
             await client.close()
 
     timings, wall = asyncio.run(main())
-    return summarize(timings, wall)
+    return summarize(timings, wall), timings
 
 
 def _inprocess_timings(engine, concurrency: int, prompts: list[str], sampling: dict) -> tuple[list[Timing], float]:
@@ -171,23 +176,71 @@ def _inprocess_timings(engine, concurrency: int, prompts: list[str], sampling: d
 
     def admit() -> None:
         rid = f"bench-{time.perf_counter_ns()}-{len(timings)}"
-        timings[rid] = Timing(sent=time.perf_counter())
-        engine.add_request(rid, pending.pop(), params)
+        prompt = pending.pop()
+        timings[rid] = Timing(sent=time.perf_counter(), prompt=prompt)
+        engine.add_request(rid, prompt, params)
 
     start = time.perf_counter()
     for _ in range(min(concurrency, len(pending))):
         admit()
     while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            new = sum(len(c.token_ids_delta) for c in out.outputs)
-            if new:
-                timings[out.request_id].arrivals.append(now)
-                timings[out.request_id].tokens.append(new)
+        for out in _step(engine, timings):
             if out.finished and pending:
                 admit()
     return list(timings.values()), time.perf_counter() - start
+
+
+def _step(engine, timings: dict[str, Timing]) -> list:
+    """One engine step, its new tokens recorded at the step's end (when a server would send them)."""
+    outputs = engine.step()
+    now = time.perf_counter()
+    for out in outputs:
+        new = sum(len(c.token_ids_delta) for c in out.outputs)
+        if new:
+            timings[out.request_id].arrivals.append(now)
+            timings[out.request_id].tokens.append(new)
+    return outputs
+
+
+def run_replay(engine, recorded: list[Timing], sampling: dict) -> tuple[dict, list[Timing]]:
+    """The in-process engine fed a Triton run's requests at the moments its clients sent them.
+
+    A closed loop in process resubmits at the very step boundary where a request ends, so its C requests
+    always start together in one step; requests that reach a server over the network arrive spread out,
+    and the first to reach an idle engine starts alone. Replaying the recorded send times (offsets from the
+    level's first send) gives the in-process engine the same arrivals: each request joins at the first step
+    boundary after it was sent, an idle engine waits for the next arrival, and TTFT counts from the send.
+    The difference to Triton's TTFT is then the path's own cost, not the two loops' arrival patterns.
+    """
+    from pagedserve.backend.sampling_params import SamplingParams
+
+    params = SamplingParams.from_dict(sampling)
+    engine.scheduler.reset_prefix_cache()  # the closed loop just ran these prompts; Triton's cache had them once
+    origin = min(t.sent for t in recorded)
+    arrivals = sorted((t.sent - origin, t.prompt) for t in recorded)
+    timings: dict[str, Timing] = {}
+    start = time.perf_counter()
+    next_arrival = 0
+    while next_arrival < len(arrivals) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + arrivals[next_arrival][0] - time.perf_counter()))
+        now = time.perf_counter()
+        while next_arrival < len(arrivals) and start + arrivals[next_arrival][0] <= now:
+            offset, prompt = arrivals[next_arrival]
+            rid = f"replay-{next_arrival}"
+            timings[rid] = Timing(sent=start + offset, prompt=prompt)
+            engine.add_request(rid, prompt, params)
+            next_arrival += 1
+        if engine.has_unfinished_requests():
+            _step(engine, timings)
+    return summarize(list(timings.values()), time.perf_counter() - start), list(timings.values())
+
+
+def paired_ttft_ms(inprocess: list[Timing], triton: list[Timing]) -> list[float]:
+    """Triton's TTFT minus the in-process TTFT of the same prompt, in milliseconds, in Triton's send order."""
+    local = {t.prompt: (t.arrivals[0] - t.sent) for t in inprocess if t.arrivals}
+    return [round((t.arrivals[0] - t.sent - local[t.prompt]) * 1e3, 3)
+            for t in sorted(triton, key=lambda t: t.sent) if t.arrivals and t.prompt in local]
 
 
 def run_inprocess(engine, concurrency: int, prompts: list[str], sampling: dict) -> dict:
@@ -199,7 +252,8 @@ def run_alternating(engine, grpc_url: str, prompts: list[str], sampling: dict, w
     """Concurrency 1 on both paths, request by request in turn: (in-process, Triton, paired TTFT added).
 
     Each path's wall time is the sum of its own requests' durations; the paired figures are Triton's TTFT
-    minus the in-process TTFT for the same prompt, in milliseconds, in prompt order.
+    minus the in-process TTFT for the same prompt, in milliseconds, in prompt order. Each request reaches an
+idle engine on both paths, so the two see the same arrivals.
     """
     import tritonclient.grpc.aio as grpcclient
 
@@ -222,8 +276,7 @@ def run_alternating(engine, grpc_url: str, prompts: list[str], sampling: dict, w
         return local, remote, walls
 
     local, remote, (local_wall, remote_wall) = asyncio.run(main())
-    paired = [(r.arrivals[0] - r.sent - (i.arrivals[0] - i.sent)) * 1e3 for i, r in zip(local, remote, strict=True)]
-    return summarize(local, local_wall), summarize(remote, remote_wall), [round(d, 3) for d in paired]
+    return summarize(local, local_wall), summarize(remote, remote_wall), paired_ttft_ms(local, remote)
 
 
 def main() -> int:
@@ -286,7 +339,7 @@ def main() -> int:
     http_port, grpc_port, metrics_port = free_loopback_ports(3)
     server = TritonServer(repository, work_dir=work, http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, log_file=work / "tritonserver.log")
-    inprocess, triton, paired = {}, {}, {}
+    inprocess, triton, matched, paired = {}, {}, {}, {}
     with server:
         server.wait_ready(900)
         # Interleaved per level, so a change in the shared machine's load hits both paths alike.
@@ -294,9 +347,12 @@ def main() -> int:
             if c == 1:
                 inprocess[c], triton[c], paired[c] = run_alternating(engine, server.grpc_url, prompts, sampling,
                                                                      warmup)
+                matched[c] = inprocess[c]
             else:
                 inprocess[c] = run_inprocess(engine, c, prompts, sampling)
-                triton[c] = run_triton(server.grpc_url, c, prompts, sampling, warmup)
+                triton[c], sent = run_triton(server.grpc_url, c, prompts, sampling, warmup)
+                matched[c], replayed = run_replay(engine, sent, sampling)
+                paired[c] = paired_ttft_ms(replayed, sent)
             print(f"  concurrency {c}: in-process {inprocess[c]['tok_s']} tok/s, triton {triton[c]['tok_s']} tok/s",
                   flush=True)
 
@@ -313,24 +369,29 @@ def main() -> int:
         "concurrency": {},
     }
     print(f"{'C':>3} {'triton tok/s':>13} {'in-proc tok/s':>14} {'ratio':>6} {'TTFT p50 +ms':>13} "
-          f"{'paired +ms':>11} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
+          f"{'same-arrivals +ms':>18} {'paired +ms':>11} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
     for c in args.concurrency:
-        t, i = triton[c], inprocess[c]
+        t, i, m = triton[c], inprocess[c], matched[c]
         row = {
             "triton_tok_s": t["tok_s"],
             "inprocess_tok_s": i["tok_s"],
             "ratio": round(t["tok_s"] / i["tok_s"], 3),
+            # Against the closed in-process loop (at 1: the request-by-request alternation).
             "ttft_ms_p50_added": round(t["ttft_ms"]["p50"] - i["ttft_ms"]["p50"], 3),
+            # Per prompt against the in-process engine given the same arrivals (at 1 the alternation is that).
+            "ttft_ms_added_paired_p50": round(float(np.median(paired[c])), 3),
             "triton": t,
             "inprocess": i,
         }
-        if c in paired:
-            row["ttft_ms_added_paired_p50"] = round(float(np.median(paired[c])), 3)
-            row["ttft_ms_added_paired"] = paired[c]
+        if m is not i:
+            # Against the in-process engine replaying the Triton run's send times (run_replay).
+            row["ttft_ms_p50_added_same_arrivals"] = round(t["ttft_ms"]["p50"] - m["ttft_ms"]["p50"], 3)
+            row["inprocess_same_arrivals"] = m
+        row["ttft_ms_added_paired"] = paired[c]
         results["concurrency"][str(c)] = row
         print(f"{c:>3} {row['triton_tok_s']:>13.1f} {row['inprocess_tok_s']:>14.1f} {row['ratio']:>6.3f} "
-              f"{row['ttft_ms_p50_added']:>13.2f} {row.get('ttft_ms_added_paired_p50', float('nan')):>11.2f} "
-              f"{t['itl_ms']['p50']:>11.2f} "
+              f"{row['ttft_ms_p50_added']:>13.2f} {row.get('ttft_ms_p50_added_same_arrivals', float('nan')):>18.2f} "
+              f"{row['ttft_ms_added_paired_p50']:>11.2f} {t['itl_ms']['p50']:>11.2f} "
               f"{t['e2e_ms']['p99']:>11.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -1,6 +1,6 @@
 """A server with room for 2 running and 4 waiting requests: one more is refused at once with "server busy"
 (UNAVAILABLE over gRPC, 503 over HTTP), and SIGTERM under load ends every in-flight request (finished or
-with an error) and leaves no process behind."""
+with UNAVAILABLE once the shutdown grace is over) and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ BUSY_PARAMS = {
     "max_num_seqs": "2",
     "max_num_batched_tokens": "1024",
     "max_num_waiting": "4",
+    # SIGTERM ends what is in flight at once, instead of letting it stream until tritonserver's exit timeout.
+    "shutdown_grace_seconds": "0",
 }
 # Long enough that no request finishes while the test probes (it cancels them after).
 FILLER = {"temperature": 0.0, "max_tokens": 1000, "ignore_eos": True}
@@ -105,13 +107,22 @@ def test_sigterm_under_load_ends_every_request_and_leaves_no_process(busy_server
         while True:
             result, error = answers.get(timeout=LIVENESS_SECONDS)
             if error is not None:
-                endings.append("error")
+                endings.append(error.message())
                 break
             if result.get_response().parameters["triton_final_response"].bool_param:
                 endings.append("finished")
                 break
         client.close()
     assert len(endings) == NUM_FILLERS
+    # Each filler needs ~1000 steps, and the waiting four cannot start before a running one ends: without the
+    # grace they would all stream on, finishing one after another, while the server waits for them. With no
+    # grace the model ends them as soon as it sees the server stopping (UNAVAILABLE: a client may retry).
+    stopped = [ending for ending in endings if ending == "the llm model is shutting down"]
+    assert len(stopped) >= NUM_FILLERS - 2, endings
+    assert set(endings) - set(stopped) <= {"finished"}, endings
+    # Then tritonserver exits by itself, cleanly (status 0), not killed by its exit timeout.
+    assert server.process.wait(timeout=LIVENESS_SECONDS) == 0, _log_tail(running)
+    assert "Exit timeout expired" not in running.log_path.read_text(errors="replace")
     # What `pagedserve serve` does on SIGTERM: wait for tritonserver, then kill whatever is left of its group.
     server.stop()
     _until(lambda: not process_group_members(pgid), lambda: f"left behind: {process_group_members(pgid)}")
