@@ -21,9 +21,11 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +74,46 @@ def summarize(timings: list[Timing], wall_s: float) -> dict:
     tokens = sum(t.num_tokens for t in timings)
     return {"ttft_ms": pct(ttft), "itl_ms": pct(itl), "e2e_ms": pct(e2e), "output_tokens": tokens,
             "wall_s": round(wall_s, 3), "tok_s": round(tokens / wall_s, 2)}
+
+
+class EngineTTFT:
+    """The llm model's own TTFT histogram (`vllm:time_to_first_token_seconds`: from execute() to the end of
+    the step that made the first token) over a stretch of requests, read off the metrics port before and
+    after. A client's TTFT minus this is what the path around the engine adds: the gRPC front end, the
+    stub's hand-over into and out of the engine thread, the response, the client."""
+
+    NAME = "vllm:time_to_first_token_seconds"
+
+    def __init__(self, metrics_url: str):
+        self._url = metrics_url
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        with urllib.request.urlopen(self._url, timeout=10) as reply:
+            text = reply.read().decode()
+        values = {}
+        for suffix in ("sum", "count"):
+            match = re.search(rf'^{re.escape(self.NAME)}_{suffix}{{[^}}]*model="llm"[^}}]*}}\s+(\S+)$', text,
+                              re.MULTILINE)
+            values[suffix] = float(match.group(1)) if match else 0.0
+        return values["sum"], values["count"]
+
+    def mean_ms(self) -> float | None:
+        """Mean engine TTFT of the requests since this object was made, in milliseconds."""
+        total, count = self._read()
+        if count <= self._start[1]:
+            return None
+        return (total - self._start[0]) / (count - self._start[1]) * 1e3
+
+
+def path_ttft_ms(timings: list[Timing], engine_ttft_mean_ms: float | None) -> dict:
+    """Mean client TTFT, mean engine TTFT (server-side) and their difference, in milliseconds."""
+    client = [(t.arrivals[0] - t.sent) * 1e3 for t in timings if t.arrivals]
+    client_mean = float(np.mean(client)) if client else None
+    added = None if client_mean is None or engine_ttft_mean_ms is None else client_mean - engine_ttft_mean_ms
+    return {"client_mean": client_mean and round(client_mean, 3),
+            "engine_mean": engine_ttft_mean_ms and round(engine_ttft_mean_ms, 3),
+            "added_mean": added and round(added, 3)}
 
 
 def _triton_inputs(prompt: str, sampling: dict) -> list:
@@ -149,22 +191,27 @@ async def _closed_loop(concurrency: int, prompts: list[str], new_client) -> tupl
     return timings, time.perf_counter() - start
 
 
-def run_triton(grpc_url: str, concurrency: int, prompts: list[str], sampling: dict,
+def run_triton(server, concurrency: int, prompts: list[str], sampling: dict,
                warmup: list[str]) -> tuple[dict, list[Timing]]:
     """One concurrency level through tritonserver's gRPC streaming, after `warmup` (prompts not in the level,
-    so the server's prefix cache holds none of the measured ones): its summary and per-request timings."""
+    so the server's prefix cache holds none of the measured ones): its summary (with the TTFT split between
+    the engine and the path around it) and per-request timings."""
     import tritonclient.grpc.aio as grpcclient
 
     async def main():
-        client = grpcclient.InferenceServerClient(grpc_url)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
             await _closed_loop(concurrency, warmup[:concurrency], lambda: TritonStream(client, sampling))
-            return await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
+            engine_ttft = EngineTTFT(server.metrics_url)
+            timings, wall = await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
+            return timings, wall, engine_ttft.mean_ms()
         finally:
             await client.close()
 
-    timings, wall = asyncio.run(main())
-    return summarize(timings, wall), timings
+    timings, wall, engine_ttft_ms = asyncio.run(main())
+    summary = summarize(timings, wall)
+    summary["ttft_ms_path"] = path_ttft_ms(timings, engine_ttft_ms)
+    return summary, timings
 
 
 def _inprocess_timings(engine, concurrency: int, prompts: list[str], sampling: dict) -> tuple[list[Timing], float]:
@@ -248,7 +295,7 @@ def run_inprocess(engine, concurrency: int, prompts: list[str], sampling: dict) 
     return summarize(*_inprocess_timings(engine, concurrency, prompts, sampling))
 
 
-def run_alternating(engine, grpc_url: str, prompts: list[str], sampling: dict, warmup: list[str]) -> tuple:
+def run_alternating(engine, server, prompts: list[str], sampling: dict, warmup: list[str]) -> tuple:
     """Concurrency 1 on both paths, request by request in turn: (in-process, Triton, paired TTFT added).
 
     Each path's wall time is the sum of its own requests' durations; the paired figures are Triton's TTFT
@@ -258,11 +305,12 @@ idle engine on both paths, so the two see the same arrivals.
     import tritonclient.grpc.aio as grpcclient
 
     async def main():
-        client = grpcclient.InferenceServerClient(grpc_url)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
         stream = TritonStream(client, sampling)
         local, remote, walls = [], [], [0.0, 0.0]
         try:
             await stream.request(warmup[0])
+            engine_ttft = EngineTTFT(server.metrics_url)
             for prompt in prompts:
                 timings, wall = _inprocess_timings(engine, 1, [prompt], sampling)
                 local += timings
@@ -270,13 +318,16 @@ idle engine on both paths, so the two see the same arrivals.
                 start = time.perf_counter()
                 remote.append(await stream.request(prompt))
                 walls[1] += time.perf_counter() - start
+            engine_ttft_ms = engine_ttft.mean_ms()
         finally:
             await stream.close()
             await client.close()
-        return local, remote, walls
+        return local, remote, walls, engine_ttft_ms
 
-    local, remote, (local_wall, remote_wall) = asyncio.run(main())
-    return summarize(local, local_wall), summarize(remote, remote_wall), paired_ttft_ms(local, remote)
+    local, remote, (local_wall, remote_wall), engine_ttft_ms = asyncio.run(main())
+    summary = summarize(remote, remote_wall)
+    summary["ttft_ms_path"] = path_ttft_ms(remote, engine_ttft_ms)
+    return summarize(local, local_wall), summary, paired_ttft_ms(local, remote)
 
 
 def main() -> int:
@@ -345,12 +396,11 @@ def main() -> int:
         # Interleaved per level, so a change in the shared machine's load hits both paths alike.
         for c, prompts in levels.items():
             if c == 1:
-                inprocess[c], triton[c], paired[c] = run_alternating(engine, server.grpc_url, prompts, sampling,
-                                                                     warmup)
+                inprocess[c], triton[c], paired[c] = run_alternating(engine, server, prompts, sampling, warmup)
                 matched[c] = inprocess[c]
             else:
                 inprocess[c] = run_inprocess(engine, c, prompts, sampling)
-                triton[c], sent = run_triton(server.grpc_url, c, prompts, sampling, warmup)
+                triton[c], sent = run_triton(server, c, prompts, sampling, warmup)
                 matched[c], replayed = run_replay(engine, sent, sampling)
                 paired[c] = paired_ttft_ms(replayed, sent)
             print(f"  concurrency {c}: in-process {inprocess[c]['tok_s']} tok/s, triton {triton[c]['tok_s']} tok/s",
@@ -369,7 +419,7 @@ def main() -> int:
         "concurrency": {},
     }
     print(f"{'C':>3} {'triton tok/s':>13} {'in-proc tok/s':>14} {'ratio':>6} {'TTFT p50 +ms':>13} "
-          f"{'same-arrivals +ms':>18} {'paired +ms':>11} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
+          f"{'same-arrivals +ms':>18} {'paired +ms':>11} {'path +ms':>9} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
     for c in args.concurrency:
         t, i, m = triton[c], inprocess[c], matched[c]
         row = {
@@ -380,6 +430,8 @@ def main() -> int:
             "ttft_ms_p50_added": round(t["ttft_ms"]["p50"] - i["ttft_ms"]["p50"], 3),
             # Per prompt against the in-process engine given the same arrivals (at 1 the alternation is that).
             "ttft_ms_added_paired_p50": round(float(np.median(paired[c])), 3),
+            # Client TTFT minus the model's own (server-side) TTFT, means: the path around the engine.
+            "ttft_ms_mean_added_by_path": t["ttft_ms_path"]["added_mean"],
             "triton": t,
             "inprocess": i,
         }
@@ -391,12 +443,17 @@ def main() -> int:
         results["concurrency"][str(c)] = row
         print(f"{c:>3} {row['triton_tok_s']:>13.1f} {row['inprocess_tok_s']:>14.1f} {row['ratio']:>6.3f} "
               f"{row['ttft_ms_p50_added']:>13.2f} {row.get('ttft_ms_p50_added_same_arrivals', float('nan')):>18.2f} "
-              f"{row['ttft_ms_added_paired_p50']:>11.2f} {t['itl_ms']['p50']:>11.2f} "
+              f"{row['ttft_ms_added_paired_p50']:>11.2f} {_num(row['ttft_ms_mean_added_by_path']):>9.2f} "
+              f"{t['itl_ms']['p50']:>11.2f} "
               f"{t['e2e_ms']['p99']:>11.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def _num(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def _typed(value: str) -> int | float | bool | str:

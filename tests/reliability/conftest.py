@@ -7,6 +7,7 @@ The request helpers (grpc_inputs, RunningTriton, free_ports) are the ones of tes
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -49,9 +50,11 @@ IDLE_TIMEOUT_SECONDS = 120
 SHIM_STARTUP_TIMEOUT_SECONDS = 60
 
 
-def start_triton(model_path: Path, work_dir: Path, params: dict[str, str], env: dict[str, str] | None = None,
-                 llm_only: bool = False) -> tuple[TritonServer, RunningTriton]:
-    """Start tritonserver with the pagedserve repository and `params` for the llm model; wait until ready.
+@contextlib.contextmanager
+def triton_running(model_path: Path, work_dir: Path, params: dict[str, str], env: dict[str, str] | None = None,
+                   llm_only: bool = False) -> Iterator[tuple[TritonServer, RunningTriton]]:
+    """Start tritonserver with the pagedserve repository and `params` for the llm model, wait until ready,
+    and stop it on leaving the block.
 
     `llm_only` leaves the ensemble and its tokenizer models out (two Python stubs fewer to start).
     """
@@ -75,12 +78,11 @@ def start_triton(model_path: Path, work_dir: Path, params: dict[str, str], env: 
                 os.environ[key] = value
     try:
         server.wait_ready(READY_TIMEOUT_SECONDS)
-    except BaseException:
+        yield server, RunningTriton(http_url=server.http_url, grpc_url=server.grpc_url,
+                                    metrics_url=server.metrics_url, model_path=Path(model_path), log_path=log_path,
+                                    engine_params=dict(params))
+    finally:
         server.stop()
-        raise
-    running = RunningTriton(http_url=server.http_url, grpc_url=server.grpc_url, metrics_url=server.metrics_url,
-                            model_path=Path(model_path), log_path=log_path, engine_params=dict(params))
-    return server, running
 
 
 def until_idle(server: RunningTriton, timeout: float = IDLE_TIMEOUT_SECONDS) -> None:
@@ -99,12 +101,9 @@ def until_idle(server: RunningTriton, timeout: float = IDLE_TIMEOUT_SECONDS) -> 
 @pytest.fixture(scope="session")
 def small_pool_server(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
     """tritonserver with a 48-block KV pool and the fault hook armed for FAULT_MARKER."""
-    server, running = start_triton(tiny_llama_path, tmp_path_factory.mktemp("reliability-triton"),
-                                   SMALL_POOL_PARAMS, env={FAULT_MARKER_ENV: FAULT_MARKER})
-    try:
+    with triton_running(tiny_llama_path, tmp_path_factory.mktemp("reliability-triton"), SMALL_POOL_PARAMS,
+                        env={FAULT_MARKER_ENV: FAULT_MARKER}) as (_, running):
         yield running
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -135,5 +134,6 @@ def make_inputs():
 
 @pytest.fixture(scope="session")
 def triton_starter():
-    """start_triton(model_path, work_dir, params, env=None, llm_only=False) -> (TritonServer, RunningTriton)."""
-    return start_triton
+    """triton_running(model_path, work_dir, params, env=None, llm_only=False): a context manager of
+    (TritonServer, RunningTriton)."""
+    return triton_running

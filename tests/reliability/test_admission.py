@@ -29,12 +29,9 @@ LIVENESS_SECONDS = 60
 
 @pytest.fixture(scope="module")
 def window_server(tiny_llama_path, tmp_path_factory, triton_starter):
-    server, running = triton_starter(tiny_llama_path, tmp_path_factory.mktemp("window-triton"), WINDOW_PARAMS,
-                                     llm_only=True)
-    try:
+    with triton_starter(tiny_llama_path, tmp_path_factory.mktemp("window-triton"), WINDOW_PARAMS,
+                        llm_only=True) as (_, running):
         yield running
-    finally:
-        server.stop()
 
 
 class TimedStream:

@@ -32,12 +32,9 @@ LIVENESS_SECONDS = 60
 
 @pytest.fixture(scope="module")
 def busy_server(tiny_llama_path, tmp_path_factory, triton_starter):
-    server, running = triton_starter(tiny_llama_path, tmp_path_factory.mktemp("busy-triton"), BUSY_PARAMS,
-                                     llm_only=True)
-    try:
+    with triton_starter(tiny_llama_path, tmp_path_factory.mktemp("busy-triton"), BUSY_PARAMS,
+                        llm_only=True) as (server, running):
         yield server, running
-    finally:
-        server.stop()
 
 
 def _start_fillers(running) -> list:
