@@ -76,44 +76,57 @@ def summarize(timings: list[Timing], wall_s: float) -> dict:
             "wall_s": round(wall_s, 3), "tok_s": round(tokens / wall_s, 2)}
 
 
-class EngineTTFT:
-    """The llm model's own TTFT histogram (`vllm:time_to_first_token_seconds`: from execute() to the end of
-    the step that made the first token) over a stretch of requests, read off the metrics port before and
-    after. A client's TTFT minus this is what the path around the engine adds: the gRPC front end, the
-    stub's hand-over into and out of the engine thread, the response, the client."""
+class ServerSideTTFT:
+    """What the server itself saw of a stretch of requests, read off it before and after: the llm model's
+    own TTFT histogram (`vllm:time_to_first_token_seconds`: from execute() to the end of the step that made
+    the first token) and Triton's queue time (its statistics extension: from the request's arrival in
+    tritonserver to execute()). A client's TTFT minus the engine's is what the path around the engine adds:
+    the client, the gRPC front end, the stub's hand-over into and out of the engine thread, the response;
+    the queue time is tritonserver's share of the way in."""
 
     NAME = "vllm:time_to_first_token_seconds"
 
-    def __init__(self, metrics_url: str):
-        self._url = metrics_url
+    def __init__(self, server):
+        self._metrics_url = server.metrics_url
+        self._stats_url = f"http://{server.http_url}/v2/models/llm/stats"
         self._start = self._read()
 
-    def _read(self) -> tuple[float, float]:
-        with urllib.request.urlopen(self._url, timeout=10) as reply:
+    def _read(self) -> tuple[float, float, float, float]:
+        with urllib.request.urlopen(self._metrics_url, timeout=10) as reply:
             text = reply.read().decode()
-        values = {}
+        values = []
         for suffix in ("sum", "count"):
             match = re.search(rf'^{re.escape(self.NAME)}_{suffix}{{[^}}]*model="llm"[^}}]*}}\s+(\S+)$', text,
                               re.MULTILINE)
-            values[suffix] = float(match.group(1)) if match else 0.0
-        return values["sum"], values["count"]
+            values.append(float(match.group(1)) if match else 0.0)
+        with urllib.request.urlopen(self._stats_url, timeout=10) as reply:
+            queue = json.loads(reply.read())["model_stats"][0]["inference_stats"]["queue"]
+        return values[0], values[1], float(queue["ns"]) / 1e9, float(queue["count"])
 
-    def mean_ms(self) -> float | None:
-        """Mean engine TTFT of the requests since this object was made, in milliseconds."""
-        total, count = self._read()
-        if count <= self._start[1]:
-            return None
-        return (total - self._start[0]) / (count - self._start[1]) * 1e3
+    def means_ms(self) -> tuple[float | None, float | None]:
+        """(mean engine TTFT, mean Triton queue time) of the requests since this object was made, in ms."""
+        now = self._read()
+
+        def mean(total: int, count: int) -> float | None:
+            n = now[count] - self._start[count]
+            return (now[total] - self._start[total]) / n * 1e3 if n > 0 else None
+
+        return mean(0, 1), mean(2, 3)
 
 
-def path_ttft_ms(timings: list[Timing], engine_ttft_mean_ms: float | None) -> dict:
-    """Mean client TTFT, mean engine TTFT (server-side) and their difference, in milliseconds."""
+def path_ttft_ms(timings: list[Timing], server_means_ms: tuple[float | None, float | None]) -> dict:
+    """Mean client TTFT, mean engine TTFT, their difference (what the path adds) and Triton's mean queue
+    time, in milliseconds."""
+    engine_mean, queue_mean = server_means_ms
     client = [(t.arrivals[0] - t.sent) * 1e3 for t in timings if t.arrivals]
     client_mean = float(np.mean(client)) if client else None
-    added = None if client_mean is None or engine_ttft_mean_ms is None else client_mean - engine_ttft_mean_ms
-    return {"client_mean": client_mean and round(client_mean, 3),
-            "engine_mean": engine_ttft_mean_ms and round(engine_ttft_mean_ms, 3),
-            "added_mean": added and round(added, 3)}
+    added = None if client_mean is None or engine_mean is None else client_mean - engine_mean
+
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 3)
+
+    return {"client_mean": rounded(client_mean), "engine_mean": rounded(engine_mean),
+            "added_mean": rounded(added), "triton_queue_mean": rounded(queue_mean)}
 
 
 def _triton_inputs(prompt: str, sampling: dict) -> list:
@@ -202,15 +215,15 @@ def run_triton(server, concurrency: int, prompts: list[str], sampling: dict,
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
             await _closed_loop(concurrency, warmup[:concurrency], lambda: TritonStream(client, sampling))
-            engine_ttft = EngineTTFT(server.metrics_url)
+            server_side = ServerSideTTFT(server)
             timings, wall = await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
-            return timings, wall, engine_ttft.mean_ms()
+            return timings, wall, server_side.means_ms()
         finally:
             await client.close()
 
-    timings, wall, engine_ttft_ms = asyncio.run(main())
+    timings, wall, server_means = asyncio.run(main())
     summary = summarize(timings, wall)
-    summary["ttft_ms_path"] = path_ttft_ms(timings, engine_ttft_ms)
+    summary["ttft_ms_path"] = path_ttft_ms(timings, server_means)
     return summary, timings
 
 
@@ -310,7 +323,7 @@ idle engine on both paths, so the two see the same arrivals.
         local, remote, walls = [], [], [0.0, 0.0]
         try:
             await stream.request(warmup[0])
-            engine_ttft = EngineTTFT(server.metrics_url)
+            server_side = ServerSideTTFT(server)
             for prompt in prompts:
                 timings, wall = _inprocess_timings(engine, 1, [prompt], sampling)
                 local += timings
@@ -318,15 +331,15 @@ idle engine on both paths, so the two see the same arrivals.
                 start = time.perf_counter()
                 remote.append(await stream.request(prompt))
                 walls[1] += time.perf_counter() - start
-            engine_ttft_ms = engine_ttft.mean_ms()
+            server_means = server_side.means_ms()
         finally:
             await stream.close()
             await client.close()
-        return local, remote, walls, engine_ttft_ms
+        return local, remote, walls, server_means
 
-    local, remote, (local_wall, remote_wall), engine_ttft_ms = asyncio.run(main())
+    local, remote, (local_wall, remote_wall), server_means = asyncio.run(main())
     summary = summarize(remote, remote_wall)
-    summary["ttft_ms_path"] = path_ttft_ms(remote, engine_ttft_ms)
+    summary["ttft_ms_path"] = path_ttft_ms(remote, server_means)
     return summarize(local, local_wall), summary, paired_ttft_ms(local, remote)
 
 
@@ -419,7 +432,7 @@ def main() -> int:
         "concurrency": {},
     }
     print(f"{'C':>3} {'triton tok/s':>13} {'in-proc tok/s':>14} {'ratio':>6} {'TTFT p50 +ms':>13} "
-          f"{'same-arrivals +ms':>18} {'paired +ms':>11} {'path +ms':>9} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
+          f"{'same-arrivals +ms':>18} {'paired +ms':>11} {'path +ms':>9} {'queue ms':>9} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
     for c in args.concurrency:
         t, i, m = triton[c], inprocess[c], matched[c]
         row = {
@@ -444,6 +457,7 @@ def main() -> int:
         print(f"{c:>3} {row['triton_tok_s']:>13.1f} {row['inprocess_tok_s']:>14.1f} {row['ratio']:>6.3f} "
               f"{row['ttft_ms_p50_added']:>13.2f} {row.get('ttft_ms_p50_added_same_arrivals', float('nan')):>18.2f} "
               f"{row['ttft_ms_added_paired_p50']:>11.2f} {_num(row['ttft_ms_mean_added_by_path']):>9.2f} "
+              f"{_num(t['ttft_ms_path']['triton_queue_mean']):>9.2f} "
               f"{t['itl_ms']['p50']:>11.2f} "
               f"{t['e2e_ms']['p99']:>11.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
