@@ -548,9 +548,13 @@ class TritonPythonModel:
         self._send_final(request, pb_utils.InferenceResponse(output_tensors=self._output_tensors(request, output)))
 
     def _observe_pending(self) -> None:
-        for latency in self._pending_latencies:
-            self._metrics.observe(*latency)
-        self._pending_latencies.clear()
+        """Make the latency observations the streamed responses put off (one metric round trip each)."""
+        pending, self._pending_latencies = self._pending_latencies, []
+        try:
+            for latency in pending:
+                self._metrics.observe(*latency)
+        except Exception as error:  # noqa: BLE001 - a failed observation must not stop the responses
+            pb_utils.Logger.log_error(f"pagedserve response thread: a latency observation failed: {error!r}")
 
     def _output_tensors(self, request: _InFlight, output: Any) -> list:
         inputs = request.inputs
