@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import random
-import re
 import sys
 import tempfile
 import time
@@ -92,16 +91,13 @@ class ServerSideTTFT:
         self._start = self._read()
 
     def _read(self) -> tuple[float, float, float, float]:
-        with urllib.request.urlopen(self._metrics_url, timeout=10) as reply:
-            text = reply.read().decode()
-        values = []
-        for suffix in ("sum", "count"):
-            match = re.search(rf'^{re.escape(self.NAME)}_{suffix}{{[^}}]*model="llm"[^}}]*}}\s+(\S+)$', text,
-                              re.MULTILINE)
-            values.append(float(match.group(1)) if match else 0.0)
+        from pagedserve.client.launcher import fetch_metrics, model_metric
+
+        text = fetch_metrics(self._metrics_url)
         with urllib.request.urlopen(self._stats_url, timeout=10) as reply:
             queue = json.loads(reply.read())["model_stats"][0]["inference_stats"]["queue"]
-        return values[0], values[1], float(queue["ns"]) / 1e9, float(queue["count"])
+        return (model_metric(text, f"{self.NAME}_sum"), model_metric(text, f"{self.NAME}_count"),
+                float(queue["ns"]) / 1e9, float(queue["count"]))
 
     def means_ms(self) -> tuple[float | None, float | None]:
         """(mean engine TTFT, mean Triton queue time) of the requests since this object was made, in ms."""

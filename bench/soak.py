@@ -17,7 +17,6 @@ import re
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +25,9 @@ import tritonclient.grpc as grpcclient
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     TritonServer,
+    fetch_metrics,
     free_loopback_ports,
+    model_metric,
     prepare_model_repository,
     process_group_members,
 )
@@ -151,10 +152,7 @@ def _resources(pgid: int) -> dict[str, int]:
 
 
 def _metric(metrics_url: str, name: str) -> float:
-    with urllib.request.urlopen(metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    match = re.search(r"^" + re.escape(name) + r'\{[^}]*model="llm"[^}]*\}\s+(\S+)$', text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    return model_metric(fetch_metrics(metrics_url), name)
 
 
 def _wait_idle(metrics_url: str, timeout: float = 120.0) -> bool:

@@ -303,6 +303,21 @@ def spawn_openai_shim(triton_grpc_url: str, metrics_url: str, host: str, port: i
     return subprocess.Popen(cmd, **popen_kwargs)
 
 
+def fetch_metrics(metrics_url: str, timeout: float = 10.0) -> str:
+    """The Prometheus text of tritonserver's metrics port."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout) as reply:
+        return reply.read().decode()
+
+
+def model_metric(metrics_text: str, name: str, model: str = LLM_MODEL_NAME) -> float:
+    """The value of the sample `name` (e.g. "vllm:kv_cache_usage_perc") labelled with `model`; 0.0 if absent."""
+    pattern = re.compile(r"^" + re.escape(name) + r"\{([^}]*)\}\s+(\S+)$", re.MULTILINE)
+    for labels, value in pattern.findall(metrics_text):
+        if f'model="{model}"' in labels:
+            return float(value)
+    return 0.0
+
+
 def free_loopback_ports(count: int) -> list[int]:
     """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago (all bound at once, so distinct)."""
     sockets = []

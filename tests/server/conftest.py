@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from pagedserve.client.launcher import DEFAULT_MODEL_REPOSITORY, TritonServer, prepare_model_repository
+from pagedserve.client.launcher import (
+    DEFAULT_MODEL_REPOSITORY,
+    TritonServer,
+    fetch_metrics,
+    model_metric,
+    prepare_model_repository,
+)
 from pagedserve.client.launcher import free_loopback_ports as free_ports
 
 # Small, fixed engine settings: the prompt-length test relies on max_model_len.
@@ -87,16 +92,11 @@ class RunningTriton:
 
     def metrics_text(self) -> str:
         """The Prometheus text of the metrics port."""
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as reply:
-            return reply.read().decode()
+        return fetch_metrics(self.metrics_url)
 
     def metric(self, name: str, model: str = "llm") -> float:
         """The value of the sample `name` (e.g. "vllm:kv_cache_usage_perc") for `model`; 0.0 if absent."""
-        pattern = re.compile(r"^" + re.escape(name) + r"\{([^}]*)\}\s+(\S+)$", re.MULTILINE)
-        for labels, value in pattern.findall(self.metrics_text()):
-            if f'model="{model}"' in labels:
-                return float(value)
-        return 0.0
+        return model_metric(self.metrics_text(), name, model)
 
     def post(self, path: str, body: dict | bytes) -> tuple[int, str]:
         """POST JSON (or raw bytes) to the HTTP endpoint; (status, body text), errors included."""
