@@ -158,13 +158,11 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the llm model needs `model_transaction_policy { decoupled: true }`")
-        self._model_path, self._engine_kwargs = engine_arguments(config.get("parameters", {}))
-        self._shutdown_grace = model_number_parameter(config.get("parameters", {}), "shutdown_grace_seconds",
-                                                       SHUTDOWN_GRACE_SECONDS)
-        self._admission_window = model_number_parameter(config.get("parameters", {}), "admission_window_ms",
-                                                         ADMISSION_WINDOW_MS) / 1e3
-        self._admission_fraction = model_number_parameter(config.get("parameters", {}),
-                                                           "admission_window_step_fraction",
+        parameters = config.get("parameters", {})
+        self._model_path, self._engine_kwargs = engine_arguments(parameters)
+        self._shutdown_grace = model_number_parameter(parameters, "shutdown_grace_seconds", SHUTDOWN_GRACE_SECONDS)
+        self._admission_window = model_number_parameter(parameters, "admission_window_ms", ADMISSION_WINDOW_MS) / 1e3
+        self._admission_fraction = model_number_parameter(parameters, "admission_window_step_fraction",
                                                            ADMISSION_WINDOW_STEP_FRACTION)
         self._model_name, self._model_version = args["model_name"], args["model_version"]
         self._metrics = EngineMetrics(args["model_name"], args["model_version"])

@@ -17,6 +17,12 @@ def _native(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _rotary_rows(*tensors: torch.Tensor) -> bool:
+    """[T, H, D] tensors whose heads are dense rows of an even head size, as the native rotary kernels read."""
+    head_dim = tensors[0].shape[-1]
+    return head_dim % 2 == 0 and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in tensors)
+
+
 def rms_norm(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
@@ -45,9 +51,7 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,  # [max_pos, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding; returns new (query, key) tensors."""
-    head_dim = query.shape[-1]
-    rows_dense = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key))
-    if not rows_dense or head_dim % 2 or not _native(query, key):
+    if not _rotary_rows(query, key) or not _native(query, key):
         return reference.rotary_embedding(positions, query, key, cos_sin_cache)
     return cpu_native.rotary_embedding(positions, query, key, cos_sin_cache)
 
@@ -64,10 +68,9 @@ def rotary_embedding_and_cache(
 ) -> torch.Tensor | None:
     """The rotated query, the rotated key and the value written into their slots, in one native pass;
     None where the native kernel cannot serve these tensors (ops then runs the two ops in turn)."""
-    head_dim = query.shape[-1]
-    rows_dense = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (query, key, value))
     caches_dense = key_cache.is_contiguous() and value_cache.is_contiguous()
-    if not rows_dense or not caches_dense or head_dim % 2 or not _native(query, key, value, key_cache, value_cache):
+    if not _rotary_rows(query, key, value) or not caches_dense or not _native(query, key, value, key_cache,
+                                                                               value_cache):
         return None
     return cpu_native.rotary_embedding_and_cache(positions, query, key, value, cos_sin_cache, key_cache,
                                                  value_cache, slot_mapping)
