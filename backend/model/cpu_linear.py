@@ -8,6 +8,7 @@ order than MKL there (relative differences ~1e-6), which the transformers-parity
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -16,12 +17,29 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def can_prepack() -> bool:
-    """True when this torch build has oneDNN's packed linear ops."""
+def can_prepack(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build has oneDNN's packed linear ops and they run in `dtype` on this CPU.
+
+    The bf16 and fp16 paths need CPU features (bf16: avx512bw/vl/dq or avx_ne_convert) that many CPUs lack:
+    there oneDNN raises at the first reorder, so each dtype is tried once on a small layer.
+    """
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") and hasattr(
-        ops, "_linear_pointwise"
-    )
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return False
+    return _runs_in(dtype)
+
+
+@functools.cache
+def _runs_in(dtype: torch.dtype) -> bool:
+    linear = nn.Linear(8, 8).to(dtype)
+    try:
+        with torch.no_grad():
+            PackedLinear(linear, 1)(torch.ones(1, 8, dtype=dtype))
+    except RuntimeError as error:
+        logger.info("oneDNN packed linear does not run in %s on this CPU (%s); F.linear serves it", dtype, error)
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -41,17 +59,16 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module, batch_hint: int = 64) -> int:
-    """Replace every CPU nn.Linear of a supported dtype by a PackedLinear; returns how many were replaced.
+    """Replace every CPU nn.Linear whose dtype oneDNN runs here by a PackedLinear; returns how many were replaced
+    (the others keep F.linear).
 
     A tied lm_head gets its own packed copy; the embedding keeps the plain table for lookups.
     """
-    if not can_prepack():
-        logger.info("oneDNN packed linear ops unavailable; CPU GEMMs use F.linear")
-        return 0
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dim() == 2:
+            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dim() == 2
+                    and can_prepack(child.weight.dtype)):
                 setattr(parent, name, PackedLinear(child, batch_hint))
                 replaced += 1
     return replaced

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pagedserve.backend.model import cpu_linear
 from pagedserve.backend.model.cpu_linear import PackedLinear, can_prepack, prepack_linears
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN packed linear")
 
 
+@pytest.mark.skipif(not can_prepack(torch.bfloat16), reason="oneDNN's bf16 linear needs avx512 or avx_ne_convert")
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_packed_linear_is_bit_identical_in_bf16(rows):
     torch.manual_seed(0)
@@ -39,3 +41,22 @@ def test_prepack_replaces_every_linear_and_keeps_a_tied_embedding_table():
         assert prepack_linears(model) == 3
         assert not any(isinstance(m, nn.Linear) for m in model.modules())
         torch.testing.assert_close(model.head(model.block(model.embed(ids))), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_model_gives_the_same_tokens_whether_or_not_this_cpu_can_pack_bf16():
+    # On a CPU without avx512 / avx_ne_convert oneDNN refuses bf16 weights: the layers keep F.linear.
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 64, bias=False)).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+        replaced = prepack_linears(model)
+        assert replaced == (2 if can_prepack(torch.bfloat16) else 0)
+        assert torch.equal(model(x), want)
+
+
+def test_only_the_layers_in_a_dtype_this_cpu_packs_are_replaced(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "can_prepack", lambda dtype=torch.float32: dtype == torch.float32)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16).to(torch.bfloat16))
+    assert prepack_linears(model) == 1
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
