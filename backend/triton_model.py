@@ -176,6 +176,7 @@ class TritonPythonModel:
         self._startup_error: BaseException | None = None
         self._closing = False
         self._unloading_since: float | None = None  # cancel thread only
+        self._grace_over = False  # engine thread: the in-flight requests were ended for the unload
         self._next_ready_poll = 0.0  # cancel thread only
         self._last_stats = 0.0
         self._pending_latencies: list[tuple[str, float]] = []  # response thread: observations not yet made
@@ -265,6 +266,7 @@ class TritonPythonModel:
                     self._end_all(active)
                     return
                 if item is _UNLOADING:
+                    self._grace_over = True
                     self._end_all(active)
                 elif isinstance(item, _Cancel):
                     self._abort(item.request_id, active)
@@ -309,6 +311,10 @@ class TritonPythonModel:
         return items
 
     def _add(self, request: _InFlight, active: dict[str, _InFlight]) -> None:
+        if self._grace_over:
+            # execute() passed it just before the cancel thread set _closing: end it as the others were.
+            self._outbox.put(("error", request, ShuttingDownError("the llm model is shutting down")))
+            return
         inputs = request.inputs
         try:
             self._engine.add_request(request.request_id, inputs.prompt, inputs.params,

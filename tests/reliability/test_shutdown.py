@@ -4,6 +4,7 @@ with UNAVAILABLE once the shutdown grace is over) and leaves no process behind."
 
 from __future__ import annotations
 
+import queue
 import signal
 import time
 
@@ -95,14 +96,20 @@ def test_requests_beyond_the_queue_limit_are_refused_at_once_with_server_busy(bu
 def test_sigterm_under_load_ends_every_request_and_leaves_no_process(busy_server):
     server, running = busy_server
     fillers = _start_fillers(running)
-    _until(lambda: running.metric("vllm:num_requests_running") == 2,
-           lambda: f"{_occupancy(running)}; {_log_tail(running)}")
+    # Every filler in the model (2 running, 4 waiting) before the signal: one still on its way would meet a
+    # model Triton has unloaded ("Request for unknown model"), which is Triton's answer, not the model's.
+    _until(lambda: (running.metric("vllm:num_requests_running"), running.metric("vllm:num_requests_waiting"))
+           == (2, NUM_FILLERS - 2), lambda: f"{_occupancy(running)}; {_log_tail(running)}")
     pgid = server.process.pid
     server.process.send_signal(signal.SIGTERM)
     endings = []
-    for client, answers in fillers:
+    for index, (client, answers) in enumerate(fillers):
         while True:
-            result, error = answers.get(timeout=LIVENESS_SECONDS)
+            try:
+                result, error = answers.get(timeout=LIVENESS_SECONDS)
+            except queue.Empty:
+                pytest.fail(f"filler {index} got no answer for {LIVENESS_SECONDS} s after SIGTERM "
+                            f"(endings so far: {endings}); {_log_tail(running)}")
             if error is not None:
                 endings.append(error.message())
                 break
