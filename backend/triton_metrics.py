@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -30,11 +31,16 @@ _HISTOGRAMS = {
 }
 
 
+# Metric calls from two stub threads at once crashed tritonserver 2.51 (SIGSEGV in libtriton_python.so, then
+# boost::interprocess::lock_exception): with several response threads every call goes through this lock.
+_LOCK = threading.Lock()
+
+
 class EngineMetrics:
     """Gauges, counters and latency histograms of one llm model instance.
 
-    Only one thread (the response thread) calls it; counters follow the engine's cumulative stats. Every
-    change is a round trip to the server that holds the GIL, so unchanged values are not resent.
+    The response threads call it (`update` from one of them only); counters follow the engine's cumulative
+    stats. Every change is a round trip to the server that holds the GIL, so unchanged values are not resent.
     """
 
     def __init__(self, model_name: str, model_version: str):
@@ -64,6 +70,10 @@ class EngineMetrics:
 
     def update(self, stats: Any) -> None:
         """Set the gauges and advance the counters from an EngineStats snapshot."""
+        with _LOCK:
+            self._update(stats)
+
+    def _update(self, stats: Any) -> None:
         for field, gauge in self._gauges.items():
             value = float(getattr(stats, field))
             if value != self._last_gauges[field]:
@@ -81,4 +91,5 @@ class EngineMetrics:
 
     def observe(self, histogram: str, seconds: float) -> None:
         """Record one latency sample: `histogram` is "ttft", "itl" or "e2e"."""
-        self._histograms[histogram].observe(seconds)
+        with _LOCK:
+            self._histograms[histogram].observe(seconds)

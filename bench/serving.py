@@ -352,6 +352,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="engine parameter for both paths, e.g. device=cpu")
+    parser.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE",
+                        help="llm model parameter for the Triton path only, e.g. response_threads=2")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for both paths (OMP_NUM_THREADS for the server)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serving.json")
@@ -395,7 +397,9 @@ def main() -> int:
     engine = LLMEngine.from_pretrained(model, **{k: _typed(v) for k, v in params.items()})
     engine.generate(warmup[:1], None)
     device = str(engine.runner.device)
-    repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work / "models", model, params)
+    server_params = dict(p.split("=", 1) for p in args.server_param)
+    repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work / "models", model,
+                                          {**params, **server_params})
     http_port, grpc_port, metrics_port = free_loopback_ports(3)
     server = TritonServer(repository, work_dir=work, http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, log_file=work / "tritonserver.log")
@@ -424,6 +428,7 @@ def main() -> int:
         "workload": {"sampling": sampling, "requests_per_client": args.requests_per_client,
                      "min_requests": args.min_requests,
                      "prompt_words": [args.min_words, args.max_words], "seed": args.seed, "engine": params,
+                     "llm_model": server_params,
                      "torch_threads": args.torch_threads},
         "concurrency": {},
     }
