@@ -90,30 +90,32 @@ class ServerSideTTFT:
         self._stats_url = f"http://{server.http_url}/v2/models/llm/stats"
         self._start = self._read()
 
-    def _read(self) -> tuple[float, float, float, float]:
+    def _read(self) -> tuple[float, ...]:
         from pagedserve.client.launcher import fetch_metrics, model_metric
 
         text = fetch_metrics(self._metrics_url)
         with urllib.request.urlopen(self._stats_url, timeout=10) as reply:
-            queue = json.loads(reply.read())["model_stats"][0]["inference_stats"]["queue"]
+            stats = json.loads(reply.read())["model_stats"][0]["inference_stats"]
+        queue, infer = stats["queue"], stats["compute_infer"]
         return (model_metric(text, f"{self.NAME}_sum"), model_metric(text, f"{self.NAME}_count"),
-                float(queue["ns"]) / 1e9, float(queue["count"]))
+                float(queue["ns"]) / 1e9, float(queue["count"]), float(infer["ns"]) / 1e9, float(infer["count"]))
 
-    def means_ms(self) -> tuple[float | None, float | None]:
-        """(mean engine TTFT, mean Triton queue time) of the requests since this object was made, in ms."""
+    def means_ms(self) -> tuple[float | None, float | None, float | None]:
+        """(mean engine TTFT, mean Triton queue time, mean execute() time) of the requests since this object
+        was made, in ms."""
         now = self._read()
 
         def mean(total: int, count: int) -> float | None:
             n = now[count] - self._start[count]
             return (now[total] - self._start[total]) / n * 1e3 if n > 0 else None
 
-        return mean(0, 1), mean(2, 3)
+        return mean(0, 1), mean(2, 3), mean(4, 5)
 
 
-def path_ttft_ms(timings: list[Timing], server_means_ms: tuple[float | None, float | None]) -> dict:
-    """Mean client TTFT, mean engine TTFT, their difference (what the path adds) and Triton's mean queue
-    time, in milliseconds."""
-    engine_mean, queue_mean = server_means_ms
+def path_ttft_ms(timings: list[Timing], server_means_ms: tuple[float | None, ...]) -> dict:
+    """Mean client TTFT, mean engine TTFT, their difference (what the path adds), Triton's mean queue time
+    and the mean time in the model's execute(), in milliseconds."""
+    engine_mean, queue_mean, execute_mean = server_means_ms
     client = [(t.arrivals[0] - t.sent) * 1e3 for t in timings if t.arrivals]
     client_mean = float(np.mean(client)) if client else None
     added = None if client_mean is None or engine_mean is None else client_mean - engine_mean
@@ -122,7 +124,8 @@ def path_ttft_ms(timings: list[Timing], server_means_ms: tuple[float | None, flo
         return None if value is None else round(value, 3)
 
     return {"client_mean": rounded(client_mean), "engine_mean": rounded(engine_mean),
-            "added_mean": rounded(added), "triton_queue_mean": rounded(queue_mean)}
+            "added_mean": rounded(added), "triton_queue_mean": rounded(queue_mean),
+            "execute_mean": rounded(execute_mean)}
 
 
 def _triton_inputs(prompt: str, sampling: dict) -> list:
