@@ -53,10 +53,13 @@ READY_POLL_SECONDS = 0.5  # how often the cancel thread asks whether the model i
 # the new requests' prefills then fell among running decodes, and the ITL p99 went from 69 to 166 ms.
 ADMISSION_WINDOW_MS = 0.0
 ADMISSION_WINDOW_STEP_FRACTION = 0.1
-# Response threads. A send is a synchronous round trip to tritonserver (~0.2 ms) during which the sending
-# thread holds no GIL; with one thread a step's 32 first tokens leave one after another (~5 ms for the last).
-# Requests are dealt round-robin to `response_threads` (config.pbtxt) threads, each sending its own requests'
-# responses in order, so their round trips overlap.
+# Response threads. A send is a synchronous round trip to tritonserver (0.3-0.4 ms) during which the sending
+# thread holds no GIL; with one thread a step's 31 first tokens leave one after another (the last ~18 ms
+# after the step on a slow 2-core machine). Requests are dealt round-robin to `response_threads`
+# (config.pbtxt) threads, each sending its own requests' responses in order, so their round trips can
+# overlap. Measured on 2 cores (docs/benchmarks.md): with 4 threads first tokens left sooner (6.8 ms after
+# the step on average instead of 9.7) but each send took longer and the TTFT the path adds did not fall, so
+# the default is 1; machines with cores to spare may gain.
 RESPONSE_THREADS = 1
 FENCE_TIMEOUT_SECONDS = 5.0  # a response thread stuck in a send must not stop the others for good
 # After a step that made first tokens, the engine thread waits until the response thread has sent them
