@@ -204,11 +204,20 @@ async def _closed_loop(concurrency: int, prompts: list[str], new_client) -> tupl
 
 
 def run_triton(server, concurrency: int, prompts: list[str], sampling: dict,
-               warmup: list[str]) -> tuple[dict, list[Timing]]:
+               warmup: list[str], processes: int = 1) -> tuple[dict, list[Timing]]:
     """One concurrency level through tritonserver's gRPC streaming, after `warmup` (prompts not in the level,
     so the server's prefix cache holds none of the measured ones): its summary (with the TTFT split between
-    the engine and the path around it) and per-request timings."""
+    the engine and the path around it) and per-request timings. With `processes` > 1 the C clients are
+    spread over that many client processes (`_client_process`), so that no one asyncio loop handles every
+    stream's responses."""
     import tritonclient.grpc.aio as grpcclient
+
+    if min(processes, concurrency) > 1:
+        timings, wall, server_means = _run_client_processes(server, concurrency, prompts, sampling, warmup,
+                                                            min(processes, concurrency))
+        summary = summarize(timings, wall)
+        summary["ttft_ms_path"] = path_ttft_ms(timings, server_means)
+        return summary, timings
 
     async def main():
         client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -224,6 +233,53 @@ def run_triton(server, concurrency: int, prompts: list[str], sampling: dict,
     summary = summarize(timings, wall)
     summary["ttft_ms_path"] = path_ttft_ms(timings, server_means)
     return summary, timings
+
+
+def _client_process(grpc_url: str, concurrency: int, prompts: list[str], warmup: list[str], sampling: dict,
+                    warmed, go, results) -> None:
+    """One client process of a multi-process level: warm up, wait until every process has (`warmed`) and
+    the server's counters are read (`go`), run its closed loop, hand back its timings as tuples."""
+    import tritonclient.grpc.aio as grpcclient
+
+    async def main():
+        client = grpcclient.InferenceServerClient(grpc_url)
+        try:
+            await _closed_loop(concurrency, warmup, lambda: TritonStream(client, sampling))
+            warmed.wait()
+            go.wait()
+            timings, _ = await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
+            return timings
+        finally:
+            await client.close()
+
+    results.put([(t.sent, t.prompt, t.arrivals, t.tokens) for t in asyncio.run(main())])
+
+
+def _run_client_processes(server, concurrency: int, prompts: list[str], sampling: dict, warmup: list[str],
+                          processes: int) -> tuple[list[Timing], float, tuple]:
+    """The level's C clients spread over `processes` client processes, prompts dealt round-robin. The
+    processes' perf_counter clocks are the same (CLOCK_MONOTONIC), so their timings merge."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # this process holds torch threads and an engine
+    warmed, go, results = context.Barrier(processes + 1), context.Barrier(processes + 1), context.Queue()
+    shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
+    workers = [context.Process(target=_client_process, daemon=True,
+                               args=(server.grpc_url, shares[p], prompts[p::processes],
+                                     warmup[:concurrency][p::processes], sampling, warmed, go, results))
+               for p in range(processes)]
+    for worker in workers:
+        worker.start()
+    warmed.wait(timeout=600)
+    server_side = ServerSideTTFT(server)
+    go.wait(timeout=60)
+    timings = [Timing(sent=sent, prompt=prompt, arrivals=arrivals, tokens=tokens)
+               for _ in workers for sent, prompt, arrivals, tokens in results.get(timeout=3600)]
+    server_means = server_side.means_ms()
+    for worker in workers:
+        worker.join(timeout=60)
+    wall = max(t.arrivals[-1] for t in timings if t.arrivals) - min(t.sent for t in timings)
+    return timings, wall, server_means
 
 
 def _inprocess_timings(engine, concurrency: int, prompts: list[str], sampling: dict) -> tuple[list[Timing], float]:
@@ -355,6 +411,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="engine parameter for both paths, e.g. device=cpu")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="spread the Triton path's clients over this many processes (at concurrency > 1)")
     parser.add_argument("--server-param", action="append", default=[], metavar="KEY=VALUE",
                         help="llm model parameter for the Triton path only, e.g. response_threads=2")
     parser.add_argument("--torch-threads", type=int, default=None,
@@ -416,7 +474,7 @@ def main() -> int:
                 matched[c] = inprocess[c]
             else:
                 inprocess[c] = run_inprocess(engine, c, prompts, sampling)
-                triton[c], sent = run_triton(server, c, prompts, sampling, warmup)
+                triton[c], sent = run_triton(server, c, prompts, sampling, warmup, args.client_processes)
                 matched[c], replayed = run_replay(engine, sent, sampling)
                 paired[c] = paired_ttft_ms(replayed, sent)
             print(f"  concurrency {c}: in-process {inprocess[c]['tok_s']} tok/s, triton {triton[c]['tok_s']} tok/s",
@@ -431,7 +489,7 @@ def main() -> int:
         "workload": {"sampling": sampling, "requests_per_client": args.requests_per_client,
                      "min_requests": args.min_requests,
                      "prompt_words": [args.min_words, args.max_words], "seed": args.seed, "engine": params,
-                     "llm_model": server_params,
+                     "llm_model": server_params, "client_processes": args.client_processes,
                      "torch_threads": args.torch_threads},
         "concurrency": {},
     }
