@@ -15,7 +15,7 @@ import pagedserve
 from .attention import AttentionMetadata
 from .config import CacheConfig, ModelConfig, SchedulerConfig
 from .model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
-from .model.cpu_linear import prepack_linears
+from .model.cpu_linear import can_prepack, prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,13 @@ class ModelRunner:
             _keep_large_allocations_mapped()
         self.arch = ModelArchConfig.from_pretrained(model_config.model)
         self.dtype = resolve_dtype(model_config.dtype, self.arch)
+        if (self.device.type == "cpu" and model_config.dtype == "auto" and self.dtype != torch.float32
+                and not can_prepack(self.dtype)):
+            # Without AVX-512 (or AVX-NE-CONVERT) oneDNN has no half-precision GEMM here, and F.linear in bf16
+            # ran 2-8x slower than packed fp32 on such a CPU (SmolLM2-sized layers, 1-256 rows).
+            logger.warning("this CPU has no fast %s matmul; dtype 'auto' runs the %s checkpoint in float32 "
+                           "(set dtype to keep %s)", self.dtype, self.dtype, self.dtype)
+            self.dtype = torch.float32
         self.block_size = cache_config.block_size
         if self.arch.sliding_window is not None and scheduler_config.max_model_len > self.arch.sliding_window:
             raise ValueError(

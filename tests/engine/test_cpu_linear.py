@@ -60,3 +60,20 @@ def test_only_the_layers_in_a_dtype_this_cpu_packs_are_replaced(monkeypatch):
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16).to(torch.bfloat16))
     assert prepack_linears(model) == 1
     assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_only_where_this_cpu_has_a_fast_bf16_matmul(
+        tmp_path_factory, monkeypatch, fast_bf16):
+    from pagedserve.backend import model_runner
+    from pagedserve.backend.engine import LLMEngine
+    from pagedserve.backend.testing import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path_factory.mktemp("bf16-llama"), "llama", dtype="bfloat16"))
+    # Both kinds of CPU, whichever this one is: without AVX-512 bf16 F.linear ran 2-8x slower than fp32.
+    monkeypatch.setattr(model_runner, "can_prepack", lambda dtype=torch.float32: fast_bf16 or dtype == torch.float32)
+    auto = LLMEngine.from_pretrained(path, device="cpu")
+    assert auto.runner.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+    assert auto.runner.model.embed_tokens.weight.dtype == auto.runner.dtype
+    # An explicit dtype is kept either way.
+    assert LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16").runner.dtype == torch.bfloat16
