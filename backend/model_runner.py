@@ -90,8 +90,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.arch)
         if (self.device.type == "cpu" and model_config.dtype == "auto" and self.dtype != torch.float32
                 and not can_prepack(self.dtype)):
-            # Without AVX-512 (or AVX-NE-CONVERT) oneDNN has no half-precision GEMM here, and F.linear in bf16
-            # ran 2-8x slower than packed fp32 on such a CPU (SmolLM2-sized layers, 1-256 rows).
+            # Without AVX-512 (or AVX-NE-CONVERT) oneDNN has no half-precision GEMM here: on such a CPU a
+            # SmolLM2 step's linear layers took 1.3x (1 row) to 8x (256 rows) longer in bf16 than in fp32
+            # (`python bench/kernels.py linear`).
             logger.warning("this CPU has no fast %s matmul; dtype 'auto' runs the %s checkpoint in float32 "
                            "(set dtype to keep %s)", self.dtype, self.dtype, self.dtype)
             self.dtype = torch.float32

@@ -3,6 +3,9 @@
 `python bench/kernels.py cpu` times the engine's CPU attention (native in-place decode kernel, unpadded
 prefill), the batched torch reference and a per-sequence loop (one gather and one SDPA per sequence),
 per layer, and writes bench/results/kernels_cpu.json.
+`python bench/kernels.py linear` times the CPU linear layers of SmolLM2's shapes in fp32 and bf16, prepacked
+for oneDNN where this CPU runs that dtype and plain F.linear otherwise, and writes
+bench/results/linear_cpu.json: what `dtype auto` on the CPU decides from.
 `python bench/kernels.py gpu-check --out DIR` is what bench/gpu_check.sh runs on a GPU machine: kernel
 correctness at real sizes, decode bandwidth, prefill TFLOP/s against SDPA, engine tokens/s.
 `--dry-run` runs gpu-check at tiny sizes on the CPU (TRITON_INTERPRET=1) to prove the wiring.
@@ -160,6 +163,40 @@ def run_cpu(args: argparse.Namespace) -> dict:
             log(json.dumps(row))
     return {"machine": platform.processor() or platform.machine(), "threads": args.threads,
             "torch": torch.__version__, "rows": rows}
+
+
+def run_linear(args: argparse.Namespace) -> dict:
+    """Median ms of SmolLM2-135M's linear layers (hidden 576, MLP 1536, vocab 49152) at a few row counts:
+    fp32 packed and plain, bf16 packed (where oneDNN runs bf16 here) and plain."""
+    from pagedserve.backend.model.cpu_linear import PackedLinear, can_prepack
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    shapes = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
+              "lm_head": (576, 49152)}
+    rows = []
+    with torch.inference_mode():
+        for name, (n_in, n_out) in shapes.items():
+            for num_rows in (1, 8, 64, 256):
+                row = {"layer": name, "in": n_in, "out": n_out, "rows": num_rows}
+                for dtype in (torch.float32, torch.bfloat16):
+                    tag = str(dtype).removeprefix("torch.")
+                    linear = torch.nn.Linear(n_in, n_out, bias=False).to(dtype)
+                    x = torch.randn(num_rows, n_in, dtype=dtype)
+                    row[f"{tag}_plain_ms"] = round(bench_ms(lambda lin=linear, x=x: lin(x), device, 2, args.rep), 3)
+                    if can_prepack(dtype):
+                        packed = PackedLinear(linear, 64)
+                        row[f"{tag}_packed_ms"] = round(bench_ms(lambda p=packed, x=x: p(x), device, 2, args.rep), 3)
+                    else:
+                        row[f"{tag}_packed_ms"] = None
+                best = {tag: min(v for k, v in row.items() if k.startswith(tag) and v is not None)
+                        for tag in ("float32", "bfloat16")}
+                row["bf16_over_fp32"] = round(best["bfloat16"] / best["float32"], 2)
+                rows.append(row)
+                log(json.dumps(row))
+    return {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+            "torch": torch.__version__, "bf16_packed": can_prepack(torch.bfloat16), "rows": rows}
 
 
 # ---------------------------------------------------------------------------------------- gpu check
@@ -510,6 +547,10 @@ def main() -> int:
     cpu.add_argument("--threads", type=int, default=1)
     cpu.add_argument("--rep", type=int, default=5)
     cpu.add_argument("--out", default=str(REPO / "bench" / "results" / "kernels_cpu.json"))
+    linear = sub.add_parser("linear", help="CPU linear layers, fp32 vs bf16, packed vs plain")
+    linear.add_argument("--threads", type=int, default=1)
+    linear.add_argument("--rep", type=int, default=10)
+    linear.add_argument("--out", default=str(REPO / "bench" / "results" / "linear_cpu.json"))
     gpu = sub.add_parser("gpu-check", help="the GPU check (bench/gpu_check.sh runs it)")
     gpu.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.log")
     gpu.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU under TRITON_INTERPRET=1")
@@ -527,8 +568,8 @@ def main() -> int:
         log(f"wrote {args.out}; all_fit_without_spills={report['all_fit_without_spills']}")
         return 0 if report["all_fit_without_spills"] else 1
 
-    if args.mode == "cpu":
-        report = run_cpu(args)
+    if args.mode in ("cpu", "linear"):
+        report = run_cpu(args) if args.mode == "cpu" else run_linear(args)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         log(f"wrote {args.out}")
         return 0

@@ -70,7 +70,7 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_only_where_this_cpu_has_a_fa
     from pagedserve.backend.testing import make_tiny_model
 
     path = str(make_tiny_model(tmp_path_factory.mktemp("bf16-llama"), "llama", dtype="bfloat16"))
-    # Both kinds of CPU, whichever this one is: without AVX-512 bf16 F.linear ran 2-8x slower than fp32.
+    # Both kinds of CPU, whichever this one is: without AVX-512 bf16 linears ran 1.3-8x slower than fp32.
     monkeypatch.setattr(model_runner, "can_prepack", lambda dtype=torch.float32: fast_bf16 or dtype == torch.float32)
     auto = LLMEngine.from_pretrained(path, device="cpu")
     assert auto.runner.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
