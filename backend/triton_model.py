@@ -160,8 +160,6 @@ class _Latch:
         self._left = count
         self._done = threading.Event()
         self._lock = threading.Lock()
-        if count <= 0:
-            self._done.set()
 
     def arrive(self) -> None:
         with self._lock:

@@ -210,49 +210,43 @@ def run_triton(server, concurrency: int, prompts: list[str], sampling: dict,
     the engine and the path around it) and per-request timings. With `processes` > 1 the C clients are
     spread over that many client processes (`_client_process`), so that no one asyncio loop handles every
     stream's responses."""
-    import tritonclient.grpc.aio as grpcclient
-
-    if min(processes, concurrency) > 1:
+    processes = min(processes, concurrency)
+    if processes > 1:
         timings, wall, server_means = _run_client_processes(server, concurrency, prompts, sampling, warmup,
-                                                            min(processes, concurrency))
-        summary = summarize(timings, wall)
-        summary["ttft_ms_path"] = path_ttft_ms(timings, server_means)
-        return summary, timings
-
-    async def main():
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        try:
-            await _closed_loop(concurrency, warmup[:concurrency], lambda: TritonStream(client, sampling))
-            server_side = ServerSideTTFT(server)
-            timings, wall = await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
-            return timings, wall, server_side.means_ms()
-        finally:
-            await client.close()
-
-    timings, wall, server_means = asyncio.run(main())
+                                                            processes)
+    else:
+        server_side: list[ServerSideTTFT] = []
+        timings, wall = asyncio.run(_warm_then_measure(
+            server.grpc_url, concurrency, prompts, warmup[:concurrency], sampling,
+            between=lambda: server_side.append(ServerSideTTFT(server))))
+        server_means = server_side[0].means_ms()
     summary = summarize(timings, wall)
     summary["ttft_ms_path"] = path_ttft_ms(timings, server_means)
     return summary, timings
+
+
+async def _warm_then_measure(grpc_url: str, concurrency: int, prompts: list[str], warmup: list[str],
+                             sampling: dict, between) -> tuple[list[Timing], float]:
+    """One client's closed loops on one gRPC channel: the warm-up prompts, then `between()` (read the
+    server's counters, or wait for the other client processes), then the measured prompts."""
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    try:
+        await _closed_loop(concurrency, warmup, lambda: TritonStream(client, sampling))
+        between()
+        return await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
+    finally:
+        await client.close()
 
 
 def _client_process(grpc_url: str, concurrency: int, prompts: list[str], warmup: list[str], sampling: dict,
                     warmed, go, results) -> None:
     """One client process of a multi-process level: warm up, wait until every process has (`warmed`) and
     the server's counters are read (`go`), run its closed loop, hand back its timings as tuples."""
-    import tritonclient.grpc.aio as grpcclient
-
-    async def main():
-        client = grpcclient.InferenceServerClient(grpc_url)
-        try:
-            await _closed_loop(concurrency, warmup, lambda: TritonStream(client, sampling))
-            warmed.wait()
-            go.wait()
-            timings, _ = await _closed_loop(concurrency, prompts, lambda: TritonStream(client, sampling))
-            return timings
-        finally:
-            await client.close()
-
-    results.put([(t.sent, t.prompt, t.arrivals, t.tokens) for t in asyncio.run(main())])
+    timings, _ = asyncio.run(_warm_then_measure(grpc_url, concurrency, prompts, warmup, sampling,
+                                                between=lambda: (warmed.wait(), go.wait())))
+    results.put([(t.sent, t.prompt, t.arrivals, t.tokens) for t in timings])
 
 
 def _run_client_processes(server, concurrency: int, prompts: list[str], sampling: dict, warmup: list[str],
