@@ -24,9 +24,18 @@ from .triton_metrics import EngineMetrics
 from .triton_utils import LLMRequestInputs, error_response, parse_llm_request, string_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# is_cancelled() is a round trip to the server process, one per in-flight request: the cancel thread makes
-# them at most this often, so the engine thread never waits on them.
+# Cancellation polling. is_cancelled() is a round trip to the server process, one per in-flight request, made
+# on the cancel thread so the engine thread never waits on them. Each costs both processes CPU (0.3-0.5 ms on
+# a busy 2-core machine), and a cancelled request is aborted only between two steps, so each request is asked
+# at most once per step: every max(CANCEL_POLL_SECONDS, the last step's duration up to 1 s, in-flight requests /
+# CANCEL_POLLS_PER_SECOND) seconds. A cancelled request may so run one step more than with a fixed 50 ms poll;
+# at 32 SmolLM2 streams on 2 cores (~0.3 s steps) polling every 50 ms made 640 round trips a second, and
+# polling once per step took ~4 ms off the TTFT the Triton path adds (docs/benchmarks.md, 1 Dec).
 CANCEL_POLL_SECONDS = 0.05
+CANCEL_POLLS_PER_SECOND = 500.0  # the most round trips a second cancellation polling makes, however many requests
+# A step longer than this (a long prefill on a CPU) does not slow polling further: the same polls notice the
+# model being unloaded (_watch_unloading), which must happen well within the shutdown grace period.
+CANCEL_POLL_MAX_STEP_SECONDS = 1.0
 STATS_INTERVAL_SECONDS = 0.1
 # The longest a thread waits for the GIL while another runs Python (CPython's default is 5 ms). The response
 # and cancel threads drop and retake the GIL around every round trip to the server while the engine thread's
@@ -479,8 +488,13 @@ class TritonPythonModel:
 
     # ---- cancel thread -------------------------------------------------------------------------
 
+    def _cancel_poll_seconds(self, in_flight: int) -> float:
+        """How long until the next round of is_cancelled() polls (CANCEL_POLLS_PER_SECOND above)."""
+        step = min(self._step_seconds, CANCEL_POLL_MAX_STEP_SECONDS)
+        return max(CANCEL_POLL_SECONDS, step, in_flight / CANCEL_POLLS_PER_SECOND)
+
     def _cancel_loop(self) -> None:
-        """Every CANCEL_POLL_SECONDS, ask each open request whether its client cancelled it; tell the engine."""
+        """Ask each open request, at most once per step, whether its client cancelled it; tell the engine."""
         watched: list[_InFlight] = []
         next_poll = 0.0
         while True:
@@ -497,7 +511,7 @@ class TritonPythonModel:
             if None in items:
                 return
             if items and not watched:
-                next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+                next_poll = time.monotonic() + self._cancel_poll_seconds(len(items))
             watched.extend(items)
             if time.monotonic() < next_poll:
                 continue
@@ -508,7 +522,7 @@ class TritonPythonModel:
                     self._inbox.put(_Cancel(request.request_id))
             if watched:
                 self._watch_unloading()
-            next_poll = time.monotonic() + CANCEL_POLL_SECONDS
+            next_poll = time.monotonic() + self._cancel_poll_seconds(len(watched))
 
     def _watch_unloading(self) -> None:
         """While requests are in flight: once the model stops being ready (the server is stopping or the

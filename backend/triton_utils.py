@@ -54,9 +54,15 @@ class LLMRequestInputs:
         return self.prompt_token_ids is not None
 
 
-def _string_input(request: Any, name: str, max_bytes: int | None = None) -> str | None:
+def input_tensors(request: Any) -> dict[str, Any]:
+    """A request's input tensors by name. One `inputs()` call: pb_utils.get_input_tensor_by_name makes one per
+    lookup (a list of tensor objects built each time), and an llm request looks up a dozen names."""
+    return {tensor.name(): tensor for tensor in request.inputs()}
+
+
+def _string_input(inputs: dict[str, Any], name: str, max_bytes: int | None = None) -> str | None:
     """The single UTF-8 string of an optional STRING[1] input, refused when over `max_bytes`."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    tensor = inputs.get(name)
     if tensor is None:
         return None
     value = tensor.as_numpy().reshape(-1)[0]
@@ -69,9 +75,9 @@ def _string_input(request: Any, name: str, max_bytes: int | None = None) -> str 
         raise InvalidRequestError(f"{name} is not valid UTF-8 ({error.reason} at byte {error.start})", name) from None
 
 
-def _bool_input(request: Any, name: str) -> bool:
+def _bool_input(inputs: dict[str, Any], name: str) -> bool:
     """An optional BOOL[1] input, False when absent."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    tensor = inputs.get(name)
     return bool(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else False
 
 
@@ -84,8 +90,9 @@ def _request_parameters(request: Any) -> dict[str, Any]:
 
 def parse_llm_request(request: Any) -> LLMRequestInputs:
     """Read and validate one `llm` request; InvalidRequestError names the offending field."""
-    prompt = _string_input(request, "text_input", MAX_PROMPT_BYTES)
-    ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    inputs = input_tensors(request)
+    prompt = _string_input(inputs, "text_input", MAX_PROMPT_BYTES)
+    ids_tensor = inputs.get("input_ids")
     prompt_token_ids = [int(t) for t in ids_tensor.as_numpy().reshape(-1)] if ids_tensor is not None else None
     if prompt is None and prompt_token_ids is None:
         raise InvalidRequestError("text_input is required (a UTF-8 prompt string)", "text_input")
@@ -96,7 +103,7 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
     if prompt_token_ids is not None and not prompt_token_ids:
         raise InvalidRequestError("input_ids must hold at least one token id", "input_ids")
     settings = _request_parameters(request)
-    raw_json = _string_input(request, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
+    raw_json = _string_input(inputs, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     if raw_json:
         try:
             from_json = json.loads(raw_json)
@@ -108,13 +115,13 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
             )
         settings.update(from_json)
     params = SamplingParams.from_dict(settings)
-    flags = {name: _bool_input(request, name) for name in _RETURN_FLAGS}
+    flags = {name: _bool_input(inputs, name) for name in _RETURN_FLAGS}
     return LLMRequestInputs(
         prompt=prompt,
         prompt_token_ids=prompt_token_ids,
         params=params,
-        stream=_bool_input(request, "stream"),
-        exclude_input_in_output=_bool_input(request, "exclude_input_in_output"),
+        stream=_bool_input(inputs, "stream"),
+        exclude_input_in_output=_bool_input(inputs, "exclude_input_in_output"),
         **flags,
     )
 
@@ -165,14 +172,14 @@ def _load_tokenizer(args: dict) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _scalar(request: Any, name: str) -> Any:
+def _scalar(inputs: dict[str, Any], name: str) -> Any:
     """The single value of an optional scalar input as a Python number/bool, None when absent."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    tensor = inputs.get(name)
     return tensor.as_numpy().reshape(-1)[0].item() if tensor is not None else None
 
 
-def _strings(request: Any, name: str) -> list[str]:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+def _strings(inputs: dict[str, Any], name: str) -> list[str]:
+    tensor = inputs.get(name)
     if tensor is None:
         return []
     try:
@@ -196,28 +203,28 @@ _ENSEMBLE_SAMPLING_INPUTS = {
 }
 
 
-def ensemble_sampling_parameters(request: Any) -> dict[str, Any]:
-    """The llm's sampling_parameters JSON object from the TensorRT-LLM-named ensemble inputs."""
+def ensemble_sampling_parameters(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The llm's sampling_parameters JSON object from the TensorRT-LLM-named ensemble inputs (input_tensors)."""
     settings = {}
     for input_name, param in _ENSEMBLE_SAMPLING_INPUTS.items():
-        value = _scalar(request, input_name)
+        value = _scalar(inputs, input_name)
         if value is not None:
             settings[param] = round(value, 6) if isinstance(value, float) else value
-    stop = _strings(request, "stop_words")
+    stop = _strings(inputs, "stop_words")
     if stop:
         settings["stop"] = stop
-    if _strings(request, "bad_words"):
+    if _strings(inputs, "bad_words"):
         raise InvalidRequestError("bad_words is not supported by pagedserve", "bad_words")
-    end_id = _scalar(request, "end_id")
+    end_id = _scalar(inputs, "end_id")
     if end_id is not None:
         settings["stop_token_ids"] = [end_id]
-    num_sequences = _scalar(request, "num_return_sequences")
+    num_sequences = _scalar(inputs, "num_return_sequences")
     if num_sequences is not None and num_sequences != 1:
         raise InvalidRequestError(
             f"num_return_sequences must be 1 through the ensemble (use the llm model's n), got {num_sequences}",
             "num_return_sequences",
         )
-    if _scalar(request, "return_log_probs"):
+    if _scalar(inputs, "return_log_probs"):
         settings["logprobs"] = 0
     SamplingParams.from_dict(settings)
     return settings
@@ -236,10 +243,11 @@ class PreprocessingModel:
 
     def _one(self, request: Any) -> Any:
         try:
-            text = _string_input(request, "text_input", MAX_PROMPT_BYTES)
+            inputs = input_tensors(request)
+            text = _string_input(inputs, "text_input", MAX_PROMPT_BYTES)
             if not text:
                 raise InvalidRequestError("text_input must not be empty", "text_input")
-            settings = ensemble_sampling_parameters(request)
+            settings = ensemble_sampling_parameters(inputs)
             ids = self.tokenizer.encode(text)
         except InvalidRequestError as error:
             return error_response(error)
@@ -264,8 +272,10 @@ class PostprocessingModel:
         return [self._one(request) for request in requests]
 
     def _one(self, request: Any) -> Any:
+        inputs = input_tensors(request)
+
         def array(name: str) -> np.ndarray:
-            return pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)
+            return inputs[name].as_numpy().reshape(-1)
 
         token_ids = [int(t) for t in array("prefix_ids")] + [int(t) for t in array("output_ids")]
         final = bool(bytes(array("finish_reason")[0]))
