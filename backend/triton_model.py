@@ -89,6 +89,7 @@ _UNLOADING = object()  # inbox message from the cancel thread: the grace period 
 # Test hook, off unless set in tritonserver's environment: a step that schedules a request whose text_input
 # contains this marker raises once, as a failing forward would (tests/reliability uses it).
 FAULT_MARKER_ENV = "PAGEDSERVE_TEST_FAULT_MARKER"
+SHUTTING_DOWN = "the llm model is shutting down"  # every request refused or ended for an unload says this
 
 
 def engine_arguments(parameters: dict[str, dict]) -> tuple[str, dict[str, Any]]:
@@ -284,7 +285,7 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             if self._closing:
-                sender.send(error_response(ShuttingDownError("the llm model is shutting down")), flags=FINAL)
+                sender.send(error_response(ShuttingDownError(SHUTTING_DOWN)), flags=FINAL)
                 continue
             try:
                 inputs = parse_llm_request(request)
@@ -394,7 +395,7 @@ class TritonPythonModel:
         self._outbox.assign(request)
         if self._grace_over:
             # execute() passed it just before the cancel thread set _closing: end it as the others were.
-            self._outbox.put_for(request, ("error", request, ShuttingDownError("the llm model is shutting down")))
+            self._outbox.put_for(request, ("error", request, ShuttingDownError(SHUTTING_DOWN)))
             return
         inputs = request.inputs
         try:
@@ -468,7 +469,7 @@ class TritonPythonModel:
 
     def _end_all(self, active: dict[str, _InFlight]) -> None:
         """End every running and queued request with an error: the model is shutting down."""
-        error = ShuttingDownError("the llm model is shutting down")
+        error = ShuttingDownError(SHUTTING_DOWN)
         pending = list(active.values())
         while True:
             try:
