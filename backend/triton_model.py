@@ -160,6 +160,7 @@ class _InFlight:
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
     cancel_reported: bool = False  # cancel thread only
+    prompt_logprobs_sent: bool = False  # response thread only
     shard: int = 0  # the response thread that sends this request's responses
 
 
@@ -680,6 +681,11 @@ class TritonPythonModel:
         if inputs.return_num_output_tokens:
             tensors.append(pb_utils.Tensor("num_output_tokens",
                                            np.asarray([len(c.token_ids) for c in completions], dtype=np.int32)))
+        if inputs.params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            # Complete once the prompt is prefilled, which is before the request's first response.
+            request.prompt_logprobs_sent = True
+            entries = self._prompt_logprob_entries(output, inputs.params.prompt_logprobs)
+            tensors.append(string_tensor("prompt_logprobs", [json.dumps(entries, ensure_ascii=False)]))
         return tensors
 
     def _prompt_text(self, output: Any) -> str:
@@ -725,15 +731,27 @@ class TritonPythonModel:
         count = len(completion.token_ids_delta) if inputs.stream else len(completion.token_ids)
         token_ids = completion.token_ids[len(completion.token_ids) - count:]
         per_token = completion.logprobs[len(completion.logprobs) - count:] if count else []
-        top_n = inputs.params.logprobs or 0
-        decode = self._engine.tokenizer.decode
+        return [self._token_entry(token_id, candidates, inputs.params.logprobs or 0)
+                for token_id, candidates in zip(token_ids, per_token, strict=True)]
+
+    def _prompt_logprob_entries(self, output: Any, top_n: int) -> list[dict]:
+        """The `prompt_logprobs` JSON: one entry per prompt token; the first, which nothing precedes, has
+        null `logprob` and `top_logprobs`."""
         entries = []
-        for token_id, candidates in zip(token_ids, per_token, strict=True):
-            ranked = sorted(candidates.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
-            entries.append({
-                "token_id": token_id,
-                "token": decode([token_id]),
-                "logprob": candidates.get(token_id, float("nan")),
-                "top_logprobs": [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in ranked],
-            })
+        for token_id, candidates in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True):
+            if candidates is None:
+                entries.append({"token_id": token_id, "token": self._engine.tokenizer.decode([token_id]),
+                                "logprob": None, "top_logprobs": None})
+            else:
+                entries.append(self._token_entry(token_id, candidates, top_n))
         return entries
+
+    def _token_entry(self, token_id: int, candidates: dict[int, float], top_n: int) -> dict:
+        decode = self._engine.tokenizer.decode
+        ranked = sorted(candidates.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
+        return {
+            "token_id": token_id,
+            "token": decode([token_id]),
+            "logprob": candidates.get(token_id, float("nan")),
+            "top_logprobs": [{"token_id": t, "token": decode([t]), "logprob": lp} for t, lp in ranked],
+        }

@@ -248,9 +248,9 @@ def parse_completion_request(body: dict) -> GenerationRequest:
     echo = bool(_typed(body, "echo", (bool,), "a boolean"))
     logprobs = _typed(body, "logprobs", (int,), "an integer")
     if logprobs is not None:
-        if echo:
-            raise _bad("'echo' together with 'logprobs' is not supported (prompt logprobs)", "echo")
         sampling["logprobs"] = logprobs
+        if echo:  # the echoed prompt's tokens get logprobs too (what lm-evaluation-harness scores with)
+            sampling["prompt_logprobs"] = logprobs
     best_of = _typed(body, "best_of", (int,), "an integer")
     if best_of is not None and best_of != sampling.get("n", 1):
         raise _bad("'best_of' different from 'n' is not supported", "best_of")
@@ -410,7 +410,7 @@ def completion_logprobs(entries: list[dict], top: int, text_offset: int) -> dict
         token_logprobs.append(entry["logprob"])
         offsets.append(text_offset)
         text_offset += len(entry["token"])
-        if top > 0:
+        if top > 0 and entry["logprob"] is not None:  # an echoed prompt's first token has none
             ranked: dict[str, float] = {}
             for candidate in entry.get("top_logprobs", [])[:top]:
                 # Tokens that decode alike (partial UTF-8 shows as U+FFFD) keep the best logprob.
@@ -581,6 +581,8 @@ class Generation:
         self.created = int(time.time())
         self.choices = [ChoiceState() for _ in range(len(request.prompts) * request.n)]
         self.prompt_tokens = [0] * len(request.prompts)
+        # Echo with logprobs: each prompt's token entries, from its first response.
+        self.prompt_entries: list[list[dict]] = [[] for _ in request.prompts]
 
     async def prompt_texts(self) -> list[str]:
         """Each prompt as text (token-id prompts decoded), for echo."""
@@ -590,6 +592,8 @@ class Generation:
         """Record one response; returns (choice index, new text, new logprob entries) per sequence."""
         if response.num_input_tokens is not None:
             self.prompt_tokens[prompt_index] = response.num_input_tokens
+        if response.prompt_logprobs is not None:
+            self.prompt_entries[prompt_index] = response.prompt_logprobs
         updates = []
         for i, text in enumerate(response.text):
             index = prompt_index * self.request.n + i
@@ -631,7 +635,10 @@ class Generation:
             else:
                 prefix = echoes[index // self.request.n] if echoes else ""
                 choice = {"index": index, "text": prefix + state.text}
-            choice["logprobs"] = self._logprobs(state.logprobs, state)
+            entries = state.logprobs
+            if echoes:
+                entries = self.prompt_entries[index // self.request.n] + entries
+            choice["logprobs"] = self._logprobs(entries, state)
             choice["finish_reason"] = state.finish_reason
             choices.append(choice)
         return {
@@ -670,13 +677,24 @@ class Generation:
         if self.chat:
             for index in range(len(self.choices)):
                 yield sse_event(self._chunk(index, None, None, None, role=True))
-        elif self.request.echo:
-            for index, prompt in enumerate(await self.prompt_texts()):
-                for i in range(self.request.n):
-                    self.choices[index * self.request.n + i].text_offset = len(prompt)
-                    yield sse_event(self._chunk(index * self.request.n + i, prompt, None, None))
+        echoes: list[str | None] = []
+        if self.request.echo:
+            echoes = list(await self.prompt_texts())
+            if self.request.logprobs is None:
+                for index, prompt in enumerate(echoes):
+                    for i in range(self.request.n):
+                        self.choices[index * self.request.n + i].text_offset = len(prompt)
+                        yield sse_event(self._chunk(index * self.request.n + i, prompt, None, None))
+                echoes = []
         try:
             async for prompt_index, response in stream:
+                if echoes and echoes[prompt_index] is not None and response.prompt_logprobs is not None:
+                    # Echo with logprobs: the prompt goes out with its logprobs, which come with its first response.
+                    for i in range(self.request.n):
+                        index = prompt_index * self.request.n + i
+                        logprobs = self._logprobs(response.prompt_logprobs, self.choices[index])
+                        yield sse_event(self._chunk(index, echoes[prompt_index], logprobs, None))
+                    echoes[prompt_index] = None
                 for index, text, entries in self._absorb(prompt_index, response):
                     state = self.choices[index]
                     finish = response.finish_reason[index - prompt_index * self.request.n]

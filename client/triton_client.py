@@ -45,6 +45,9 @@ class LLMResponse:
     logprobs: list[list[dict]] | None = None
     cumulative_logprob: list[float] | None = None
     output_ids: list[int] | None = None
+    # With `prompt_logprobs` in the sampling parameters, on the request's first response: one entry per
+    # prompt token in the `logprobs` entries' shape (the first token's `logprob` and `top_logprobs` are None).
+    prompt_logprobs: list[dict] | None = None
 
     @property
     def finished(self) -> bool:
@@ -100,6 +103,7 @@ def parse_result(result: grpcclient.InferResult) -> LLMResponse | None:
     num_input = result.as_numpy("num_input_tokens")
     num_output = result.as_numpy("num_output_tokens")
     output_ids = result.as_numpy("output_ids")
+    prompt_logprobs = result.as_numpy("prompt_logprobs")
     return LLMResponse(
         text=[_decode(t) for t in text.reshape(-1)],
         finish_reason=[_decode(r) or None for r in reasons.reshape(-1)] if reasons is not None else [None] * text.size,
@@ -108,6 +112,7 @@ def parse_result(result: grpcclient.InferResult) -> LLMResponse | None:
         logprobs=[json.loads(_decode(x) or "[]") for x in logprobs.reshape(-1)] if logprobs is not None else None,
         cumulative_logprob=[float(x) for x in cumulative.reshape(-1)] if cumulative is not None else None,
         output_ids=[int(x) for x in output_ids.reshape(-1)] if output_ids is not None else None,
+        prompt_logprobs=json.loads(_decode(prompt_logprobs.reshape(-1)[0])) if prompt_logprobs is not None else None,
     )
 
 

@@ -91,6 +91,28 @@ def test_token_id_prompt_completes_like_its_text(client, tokenizer):
     assert by_ids.choices[0].text == tokenizer.decode(ids) + by_text.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, tokenizer, prompt_logprobs_oracle):
+    # lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs=1, one new token, greedy.
+    ids = tokenizer(PROMPT + " Paris")["input_ids"]
+    kwargs = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    (choice,) = client.completions.create(**kwargs).choices
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(ids) + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:-1] == pytest.approx(prompt_logprobs_oracle(ids), abs=1e-4)
+    assert choice.text == tokenizer.decode(ids) + logprobs.tokens[-1]
+    # The greedy continuation is the top candidate; a prompt token's top candidate is at least as likely.
+    assert logprobs.token_logprobs[-1] == pytest.approx(max(logprobs.top_logprobs[-1].values()))
+    pairs = zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True)
+    assert all(max(top.values()) >= lp - 1e-6 for lp, top in pairs)
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
+
+
 def test_chat_uses_the_chat_template_and_streams_the_same_text(client, tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)

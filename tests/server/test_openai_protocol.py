@@ -91,7 +91,6 @@ def test_completion_refuses_malformed_prompt_naming_it(prompt):
         ({"stop": [1]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"logprobs": 21}, "logprobs"),
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"suffix": "end"}, "suffix"),
@@ -303,6 +302,48 @@ def test_completion_logprobs_have_legacy_shape_with_text_offsets():
         "tokens": ["ab", "c"], "token_logprobs": [-0.1, -0.2],
         "top_logprobs": [{"ab": -0.1}, {"c": -0.2}], "text_offset": [0, 2],
     }
+
+
+def test_echo_with_logprobs_asks_for_prompt_logprobs():
+    assert parse_completion_request(_completion(echo=True, logprobs=2)).sampling["prompt_logprobs"] == 2
+    assert "prompt_logprobs" not in parse_completion_request(_completion(logprobs=2)).sampling
+    assert "prompt_logprobs" not in parse_completion_request(_completion(echo=True)).sampling
+
+
+_PROMPT_ENTRIES = [
+    {"token_id": 1, "token": "Hel", "logprob": None, "top_logprobs": None},
+    {"token_id": 2, "token": "lo", "logprob": -1.5, "top_logprobs": [{"token_id": 3, "token": "p", "logprob": -1.0},
+                                                                      {"token_id": 2, "token": "lo", "logprob": -1.5}]},
+]
+_GENERATED_ENTRY = {"token_id": 4, "token": " a", "logprob": -0.1,
+                    "top_logprobs": [{"token_id": 4, "token": " a", "logprob": -0.1}]}
+
+
+def test_echo_with_logprobs_scores_the_prompt_tokens_first():
+    request = parse_completion_request(_completion(echo=True, logprobs=1))
+    stream = _responses((0, LLMResponse([" a"], ["length"], 2, [1], logprobs=[[_GENERATED_ENTRY]],
+                                        prompt_logprobs=_PROMPT_ENTRIES)))
+    (choice,) = asyncio.run(_generation(request, chat=False).run(stream))["choices"]
+    assert choice["text"] == "Hello a"
+    assert choice["logprobs"] == {
+        "tokens": ["Hel", "lo", " a"], "token_logprobs": [None, -1.5, -0.1],
+        "top_logprobs": [None, {"p": -1.0}, {" a": -0.1}], "text_offset": [0, 3, 5],
+    }
+
+
+def test_streamed_echo_with_logprobs_sends_the_prompt_with_its_logprobs_first():
+    request = parse_completion_request(_completion(echo=True, logprobs=1, stream=True))
+    stream = _responses(
+        (0, LLMResponse([" a"], [None], 2, [1], logprobs=[[_GENERATED_ENTRY]], prompt_logprobs=_PROMPT_ENTRIES)),
+        (0, LLMResponse([""], ["length"], 2, [1], logprobs=[[]])),
+    )
+    events = _events(_generation(request, chat=False), stream)
+    texts = [(e["choices"][0]["text"], e["choices"][0]["logprobs"]) for e in events[:-1]]
+    assert texts[0] == ("Hello", {"tokens": ["Hel", "lo"], "token_logprobs": [None, -1.5],
+                                  "top_logprobs": [None, {"p": -1.0}], "text_offset": [0, 3]})
+    assert texts[1] == (" a", {"tokens": [" a"], "token_logprobs": [-0.1], "top_logprobs": [{" a": -0.1}],
+                               "text_offset": [5]})
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
 
 
 def test_non_streamed_work_is_cancelled_when_the_client_disconnects():

@@ -87,6 +87,32 @@ def test_return_flags_add_token_counts_finish_reason_and_logprobs(triton_server)
     assert answer["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in entries), abs=1e-3)
 
 
+def test_prompt_logprobs_match_transformers_and_come_once(triton_server, prompt_logprobs_oracle):
+    body = {"text_input": "The quick brown fox jumps over", "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "prompt_logprobs": 2, "exclude_input_in_output": True,
+            "return_num_input_tokens": True}
+    answer = triton_server.generate("llm", body)
+    entries = json.loads(answer["prompt_logprobs"])
+    assert len(entries) == answer["num_input_tokens"] > 2
+    assert entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
+    ids = [e["token_id"] for e in entries]
+    expected = prompt_logprobs_oracle(ids)
+    assert [e["logprob"] for e in entries[1:]] == pytest.approx(expected, abs=1e-4)
+    for entry in entries[1:]:
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert len(tops) == 2 and tops == sorted(tops, reverse=True) and tops[0] >= entry["logprob"]
+
+    # Streamed: only the first response carries them, the same ones.
+    streamed = triton_server.grpc_stream(
+        "llm", {"text_input": body["text_input"], "stream": True,
+                "sampling_parameters": {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "prompt_logprobs": 2}},
+    )
+    assert streamed.error is None
+    carried = [r.as_numpy("prompt_logprobs") for r in streamed.responses]
+    assert [c is not None for c in carried] == [True, False, False]
+    assert json.loads(carried[0].reshape(-1)[0]) == entries
+
+
 def test_32_concurrent_greedy_streams_each_equal_their_solo_output(triton_server):
     prompts = [f"Request {i}: the quick brown fox number {i * 7}" for i in range(32)]
     params = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
