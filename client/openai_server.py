@@ -128,6 +128,7 @@ class GenerationRequest:
     logprobs: int | None = None  # top logprobs per token; None: no logprobs returned
     max_tokens_param: str = "max_tokens"
     messages: list[dict] = field(default_factory=list)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs), nothing generated
 
     @property
     def n(self) -> int:
@@ -244,8 +245,11 @@ def parse_completion_request(body: dict) -> GenerationRequest:
         raise _bad("you must provide a prompt", "prompt")
     prompts = parse_prompts(body["prompt"])
     max_tokens = _typed(body, "max_tokens", (int,), "an integer")
-    sampling["max_tokens"] = OPENAI_DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     echo = bool(_typed(body, "echo", (bool,), "a boolean"))
+    echo_only = echo and max_tokens == 0
+    if echo_only:  # as vLLM: the engine makes one token, which is not returned
+        max_tokens = 1
+    sampling["max_tokens"] = OPENAI_DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     logprobs = _typed(body, "logprobs", (int,), "an integer")
     if logprobs is not None:
         sampling["logprobs"] = logprobs
@@ -254,7 +258,7 @@ def parse_completion_request(body: dict) -> GenerationRequest:
     best_of = _typed(body, "best_of", (int,), "an integer")
     if best_of is not None and best_of != sampling.get("n", 1):
         raise _bad("'best_of' different from 'n' is not supported", "best_of")
-    request = GenerationRequest(model, prompts, sampling, stream, include_usage, echo, logprobs)
+    request = GenerationRequest(model, prompts, sampling, stream, include_usage, echo, logprobs, echo_only=echo_only)
     _validate_sampling(request)
     return request
 
@@ -588,8 +592,9 @@ class Generation:
         """Each prompt as text (token-id prompts decoded), for echo."""
         return [p if isinstance(p, str) else await self.shim.decode(p) for p in self.request.prompts]
 
-    def _absorb(self, prompt_index: int, response: LLMResponse) -> list[tuple[int, str, list[dict]]]:
-        """Record one response; returns (choice index, new text, new logprob entries) per sequence."""
+    def _absorb(self, prompt_index: int, response: LLMResponse) -> list[tuple[int, str, list[dict], str | None]]:
+        """Record one response; returns (choice index, new text, new logprob entries, finish reason if it
+        ended now) per sequence."""
         if response.num_input_tokens is not None:
             self.prompt_tokens[prompt_index] = response.num_input_tokens
         if response.prompt_logprobs is not None:
@@ -599,14 +604,17 @@ class Generation:
             index = prompt_index * self.request.n + i
             state = self.choices[index]
             entries = response.logprobs[i] if response.logprobs is not None else []
+            finish = response.finish_reason[i]
+            if self.request.echo_only:
+                text, entries, finish = "", [], finish and "length"
             if not self.request.stream:
                 state.text += text
                 state.logprobs.extend(entries)
-            if response.num_output_tokens is not None:
+            if response.num_output_tokens is not None and not self.request.echo_only:
                 state.num_output_tokens = response.num_output_tokens[i]
-            if response.finish_reason[i] is not None:
-                state.finish_reason = response.finish_reason[i]
-            updates.append((index, text, entries))
+            if finish is not None:
+                state.finish_reason = finish
+            updates.append((index, text, entries, finish))
         return updates
 
     def usage(self) -> dict:
@@ -695,9 +703,8 @@ class Generation:
                         logprobs = self._logprobs(response.prompt_logprobs, self.choices[index])
                         yield sse_event(self._chunk(index, echoes[prompt_index], logprobs, None))
                     echoes[prompt_index] = None
-                for index, text, entries in self._absorb(prompt_index, response):
+                for index, text, entries, finish in self._absorb(prompt_index, response):
                     state = self.choices[index]
-                    finish = response.finish_reason[index - prompt_index * self.request.n]
                     if not text and not entries and finish is None:
                         continue
                     logprobs = self._logprobs(entries, state)

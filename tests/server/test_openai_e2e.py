@@ -113,6 +113,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, to
     assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
 
 
+def test_echo_without_generation_scores_the_prompt_only(client, tokenizer, prompt_logprobs_oracle):
+    # max_tokens 0 with echo (older lm-evaluation-harness releases ask this way), as vLLM answers it.
+    ids = tokenizer(PROMPT)["input_ids"]
+    result = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    (choice,) = result.choices
+    assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(prompt_logprobs_oracle(ids), abs=1e-4)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(ids), 0)
+
+
 def test_chat_uses_the_chat_template_and_streams_the_same_text(client, tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)

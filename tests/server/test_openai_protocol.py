@@ -346,6 +346,22 @@ def test_streamed_echo_with_logprobs_sends_the_prompt_with_its_logprobs_first():
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
 
 
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_only():
+    request = parse_completion_request(_completion(echo=True, logprobs=1, max_tokens=0))
+    assert request.echo_only and request.sampling["max_tokens"] == 1
+    answer = LLMResponse([" a"], ["stop"], 2, [1], logprobs=[[_GENERATED_ENTRY]], prompt_logprobs=_PROMPT_ENTRIES)
+    body = asyncio.run(_generation(request, chat=False).run(_responses((0, answer))))
+    (choice,) = body["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("Hello", "length")
+    assert choice["logprobs"]["tokens"] == ["Hel", "lo"]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+
+    streamed = parse_completion_request(_completion(echo=True, logprobs=1, max_tokens=0, stream=True))
+    events = _events(_generation(streamed, chat=False), _responses((0, answer)))
+    assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == [
+        ("Hello", None), ("", "length")]
+
+
 def test_non_streamed_work_is_cancelled_when_the_client_disconnects():
     from pagedserve.client.openai_server import ClientGone, _unless_disconnected
 
