@@ -58,10 +58,12 @@ class BeamSearch:
         Returns (the running beams for the next step, whether the search is over).
         """
         log_probs = log_probs.float()
-        if num_generated < self.min_tokens and self.eos_token_ids:
-            log_probs = log_probs.clone()
-            log_probs[:, sorted(self.eos_token_ids)] = -float("inf")
         vocab = log_probs.shape[1]
+        # Stop ids outside the vocabulary can never be drawn (the sampler ignores them the same way).
+        banned = sorted(t for t in self.eos_token_ids if t < vocab)
+        if num_generated < self.min_tokens and banned:
+            log_probs = log_probs.clone()
+            log_probs[:, banned] = -float("inf")
         total = (
             log_probs + torch.tensor(scores, dtype=torch.float32, device=log_probs.device)[:, None]
         ).reshape(-1)
@@ -176,7 +178,7 @@ class BeamGroup:
             for token in parent.output_token_ids:
                 child.append_output_token_id(token)
             child.max_tokens = parent.max_tokens
-            scheduler.add_request(child)
+            scheduler.requeue(child)
         return child
 
     def end(self, status: RequestStatus, error: str | None = None) -> list[str]:

@@ -240,7 +240,7 @@ class LLMEngine:
         )
         self.scheduler.finish_requests([r.request_id for r in running], RequestStatus.FINISHED_STOPPED)
         for request in running:
-            self.scheduler.add_request(request)
+            self.scheduler.requeue(request)
 
     def _process(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         """Sample, advance the scheduler, fork n>1 children, step beam searches, apply stop conditions."""

@@ -237,6 +237,7 @@ def _apply_top_k_top_p(
     top_p = torch.tensor(top_ps, device=logits.device)
     # Keep a token while the mass ahead of it is below top_p; rows with top_p == 1 keep all.
     outside = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    outside[:, 0] = False  # the most likely token always stays, however small top_p (it may round to 0.0)
     sorted_logits = sorted_logits.masked_fill(outside, -float("inf"))
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 

@@ -13,6 +13,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+# length**length_penalty stays a finite, non-zero float for any length up to 2**20 tokens.
+MAX_LENGTH_PENALTY = 50.0
 
 
 def _fail(name: str, message: str) -> InvalidRequestError:
@@ -85,6 +87,9 @@ class SamplingParams:
         if self.beam_width > 1 and self.n > self.beam_width:
             raise _fail("n", f"must be <= beam_width ({self.beam_width}) with beam search, got {self.n}")
         self.length_penalty = _number("length_penalty", self.length_penalty)
+        if abs(self.length_penalty) > MAX_LENGTH_PENALTY:
+            raise _fail("length_penalty", f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                                          f"got {self.length_penalty}")
         _int("seed", self.seed, 0, MAX_SEED, optional=True)
 
     def _check_probabilities(self) -> None:

@@ -117,6 +117,16 @@ class Scheduler:
         free_slots = max(cfg.max_num_seqs - len(self.running), 0)
         if self._num_waiting - free_slots >= cfg.max_num_waiting:
             raise ServerBusyError(f"server busy: {self._num_waiting} requests already waiting")
+        self._enqueue(request)
+
+    def requeue(self, request: Request) -> None:
+        """Queue again a sequence of an admitted request (a beam that gave its blocks back, a beam forked
+        from a preempted one): no admission check, so it cannot be refused halfway through its request."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", "request_id")
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         self.requests[request.request_id] = request

@@ -32,6 +32,9 @@ from pagedserve.backend.sampling_params import SamplingParams
         ({"stop_token_ids": [-1]}, "stop_token_ids", "integers >= 0"),
         ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20]"),
         ({"prompt_logprobs": -1}, "prompt_logprobs", "prompt_logprobs must be in [0, 20]"),
+        # length**2000 overflows a float (and length**-2000 is 0.0): it would fail the whole step.
+        ({"beam_width": 2, "length_penalty": 2000.0}, "length_penalty", "length_penalty must be in [-50, 50]"),
+        ({"beam_width": 2, "length_penalty": -51}, "length_penalty", "length_penalty must be in [-50, 50]"),
     ],
 )
 def test_out_of_range_values_name_the_field_and_range(kwargs, field, message):

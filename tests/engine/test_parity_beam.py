@@ -82,6 +82,35 @@ def test_concurrent_beam_requests_survive_preemption(tiny_llama_path):
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
 
 
+def test_beams_that_give_back_their_blocks_are_requeued_past_a_full_waiting_queue(tiny_llama_path):
+    # A tight pool stalls the beam groups: one gives its blocks back and its beams queue again. They were
+    # admitted already, so max_num_waiting must not refuse them (that used to leave the group hanging).
+    params = SamplingParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    tight = LLMEngine.from_pretrained(
+        str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=12, max_num_seqs=3,
+        max_num_waiting=1,
+    )
+    tight.add_request("b", "The quick brown fox", params)
+    tight.add_request("other", "Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    tight.add_request("b2", "Hello world", SamplingParams(beam_width=2, max_tokens=12, ignore_eos=True))
+    finished = {}
+    for _ in range(2000):
+        if not tight.has_unfinished_requests():
+            break
+        finished.update({o.request_id: o for o in tight.step() if o.finished})
+    assert sorted(finished) == ["b", "b2", "other"]
+    assert all(c.finish_reason == "length" for o in finished.values() for c in o.outputs)
+    stats = tight.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_beam_search_with_min_tokens_ignores_stop_ids_outside_the_vocabulary(tiny_llama_path):
+    engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu")
+    params = SamplingParams(beam_width=2, max_tokens=6, min_tokens=3, stop_token_ids=[10**6])
+    (out,) = engine.generate([PROMPTS[0]], params)
+    assert out.error is None and [len(c.token_ids) for c in out.outputs] == [6]
+
+
 def test_beam_search_that_cannot_fit_the_pool_is_refused(tiny_llama_path):
     engine = LLMEngine.from_pretrained(
         str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=16

@@ -58,6 +58,12 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert seen == {0, 1}
 
 
+def test_a_top_p_below_float32_resolution_keeps_the_most_likely_token():
+    row = row_from_probs([0.5, 0.3, 0.1, 0.05])
+    # 1e-50 rounds to 0.0 in float32; the nucleus is still the top token, not nothing.
+    assert draw_many(row, SamplingParams(temperature=1.0, top_p=1e-50), rows=64) == {0}
+
+
 def test_min_p_drops_tokens_below_the_scaled_maximum():
     row = row_from_probs([0.4, 0.3, 0.15, 0.1])
     seen = draw_many(row, SamplingParams(temperature=1.0, min_p=0.5))
