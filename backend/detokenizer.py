@@ -72,6 +72,13 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self.finished = False
         self._num_emitted = 0
+        self._search_floor = 0  # no stop string may start before this offset of output_text
+
+    def watch_stop_strings(self, stop: Iterable[str]) -> None:
+        """Start watching for `stop` (min_tokens reached): only text from here on is searched, so the text
+        already handed out can never be cut."""
+        self.stop = [s for s in stop if s]
+        self._search_floor = len(self.output_text)
 
     def update(self, new_token_ids: Iterable[int]) -> str | None:
         """Add output tokens; return the stop string that matched (text cut at it), else None.
@@ -86,7 +93,7 @@ class IncrementalDetokenizer:
         )
         if not new_text:
             return None
-        searched_from = max(len(self.output_text) - self._longest_stop() + 1, 0)
+        searched_from = max(len(self.output_text) - self._longest_stop() + 1, self._search_floor)
         self.output_text += new_text
         return self._check_stop(searched_from)
 

@@ -46,7 +46,7 @@ class SequenceState:
             self.logprobs.append(top_logprobs if top_logprobs is not None else {token_id: logprob})
         if self._min_tokens and self.request.num_output_tokens == self._min_tokens:
             # Stop strings count only from min_tokens on (as in vLLM); earlier text is never searched.
-            self.detokenizer.stop = [s for s in self._stop_strings if s]
+            self.detokenizer.watch_stop_strings(self._stop_strings)
         stop = self.detokenizer.update([token_id])
         if stop is not None:
             self.stop_reason = stop

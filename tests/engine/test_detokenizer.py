@@ -105,6 +105,20 @@ def test_possible_stop_prefix_is_held_then_released(tokenizer):
     assert detok.get_delta() == "\nb"
 
 
+def test_stop_strings_watched_from_min_tokens_on_never_match_text_already_handed_out(tokenizer):
+    # What min_tokens does: no stop strings until the min_tokens-th token, then these.
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "x"))
+    handed = []
+    for tok in encode(tokenizer, " jumps o"):
+        detok.update([tok])
+        handed.append(detok.get_delta())
+    detok.watch_stop_strings(["jum", "over", "a-much-longer-stop"])
+    deltas, stop = stream(detok, encode(tokenizer, "ver the lazy jumper"))
+    # Neither the "jum" before nor the "over" across the switch counts; the later "jum" does.
+    assert stop == "jum"
+    assert "".join(handed + deltas) == detok.output_text == " jumps over the lazy "
+
+
 def test_stop_string_inside_a_multi_byte_run(tokenizer):
     output = encode(tokenizer, "ok 日本語 done")
     detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "x"), stop=["本"])
