@@ -126,6 +126,12 @@ class LLMEngine:
                 f"params must be a SamplingParams, got {type(params).__name__}", "sampling_parameters"
             )
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        width, field = (params.beam_width, "beam_width") if params.beam_width > 1 else (params.n, "n")
+        if width > self.scheduler_config.max_num_seqs:
+            # Its sequences all run at once (they fork at the first token).
+            raise InvalidRequestError(
+                f"{field} must be <= max_num_seqs ({self.scheduler_config.max_num_seqs}), got {width}", field
+            )
         if params.beam_width > 1:
             for name in ("stop", "prompt_logprobs"):
                 if getattr(params, name):

@@ -56,6 +56,9 @@ class Scheduler:
         # Finished (aborted) requests are swept lazily from both queues, so removal is O(1).
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Running requests of n > 1 (or beam search) that have not sampled yet: each forks into all its
+        # sequences at its first token, so their max_num_seqs slots are taken from admission on.
+        self._unforked: list[Request] = []
         self._num_waiting = 0
         self._finished_ids: list[str] = []
         self.prefix_cache_queries = 0
@@ -243,11 +246,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
         waiting = self.waiting
-        while waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        if self._unforked:
+            self._unforked = [r for r in self._unforked if r.status == _RUNNING and not r.num_output_tokens]
+        occupied = len(self.running) + sum(_sequences_once_running(r) - 1 for r in self._unforked)
+        while waiting and budget > 0:
             request = waiting[0]
             if request.is_finished:
                 waiting.popleft()
                 continue
+            seqs = _sequences_once_running(request)
+            if self.running and occupied + seqs > max_seqs:
+                break
             hits, num_hit_tokens = bm.get_computed_blocks(request)
             # A paused request recomputes its history but must not sample until it is resumed.
             target = request.num_tokens - 1 if request.paused else request.num_tokens
@@ -264,6 +274,9 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
             self.running.append(request)
+            occupied += seqs
+            if seqs > 1:
+                self._unforked.append(request)
             if num_new > 0:
                 self._add_scheduled(out, request, num_new, new_block_ids)
                 budget -= num_new
@@ -293,3 +306,12 @@ class Scheduler:
         self._num_waiting += 1
         self.num_preemptions += 1
         out.preempted_ids.append(request.request_id)
+
+
+def _sequences_once_running(request: Request) -> int:
+    """How many running sequences admitting `request` makes: a request of n > 1 (or beam search) that has
+    not sampled yet forks into all of them at its first token, so it takes their max_num_seqs slots now."""
+    if request.num_output_tokens:
+        return 1
+    params = request.sampling_params
+    return max(params.n, params.beam_width)

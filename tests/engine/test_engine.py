@@ -206,6 +206,25 @@ def test_n4_shares_the_prompt_blocks_and_greedy_copies_agree(engine):
     assert all(c.token_ids == alone for c in out.outputs)
 
 
+def test_n_greater_than_1_counts_every_sequence_against_max_num_seqs(tiny_llama_path):
+    engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", block_size=4,
+                                       num_blocks=128, max_model_len=128, max_num_seqs=4)
+    for i in range(3):
+        engine.add_request(f"r{i}", PROMPT, greedy(max_tokens=5, n=3))
+    most = 0
+    final = {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        most = max(most, engine.get_stats().num_running)
+        final.update({o.request_id: o for o in outputs if o.finished})
+    # Each request forks into 3 sequences at its first token: two requests at once would make 6.
+    assert most == 3
+    assert sorted(final) == ["r0", "r1", "r2"] and all(len(o.outputs) == 3 for o in final.values())
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("wide", PROMPT, greedy(n=5))
+    assert info.value.field == "n" and "max_num_seqs (4)" in str(info.value)
+
+
 def test_seeded_sampling_is_the_same_alone_or_in_a_batch(engine):
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
     alone = engine.generate(PROMPT, seeded)[0].outputs[0].token_ids
