@@ -319,7 +319,10 @@ class LLMEngine:
             if seq.index == 0 and request.num_output_tokens == 1:
                 self._prompt_tokens += request.num_prompt_tokens
             self._generation_tokens += 1
-            seq.add_token(sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+            token = sampled.token_ids[i]
+            # As in vLLM, the text of an eos or stop token is not output unless include_stop_str_in_output.
+            text = request.sampling_params.include_stop_str_in_output or not self._is_stop_token(request, token)
+            seq.add_token(token, sampled.logprobs[i], sampled.top_logprobs[i], text=text)
             status = self._check_stop(seq)
             if status is not None:
                 seq.finish(status)
@@ -361,18 +364,24 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         if seq.stop_reason is not None:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
+        if self._is_stop_token(request, token):
             if token in params.stop_token_ids:
                 seq.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED
         if (
             request.num_output_tokens >= request.max_tokens
             or request.num_tokens >= self.scheduler_config.max_model_len
         ):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _is_stop_token(self, request: Request, token: int) -> bool:
+        """Whether `token`, the request's newest output token, ends it: eos (unless ignored) or a stop id,
+        from min_tokens on."""
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        return (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
 
     def _fail_step(self, sched: SchedulerOutput, error: str) -> None:
         """End every user request with a sequence in this step with finish_reason "error"."""

@@ -39,14 +39,18 @@ class SequenceState:
         self.text = ""
         self._num_reported_tokens = 0
 
-    def add_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None) -> None:
-        """Record a token already appended to the Request: logprobs, text, and a stop string it completes."""
+    def add_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None,
+                  text: bool = True) -> None:
+        """Record a token already appended to the Request: logprobs, text (unless `text` is false: a stop
+        token), and a stop string it completes."""
         self.cumulative_logprob += logprob
         if self.logprobs is not None:
             self.logprobs.append(top_logprobs if top_logprobs is not None else {token_id: logprob})
         if self._min_tokens and self.request.num_output_tokens == self._min_tokens:
             # Stop strings count only from min_tokens on (as in vLLM); earlier text is never searched.
             self.detokenizer.watch_stop_strings(self._stop_strings)
+        if not text:
+            return
         stop = self.detokenizer.update([token_id])
         if stop is not None:
             self.stop_reason = stop

@@ -698,11 +698,15 @@ class TritonPythonModel:
         completion = output.outputs[0]
         inputs = request.inputs
         prompt_ids = inputs.prompt_token_ids
+        generated = list(completion.token_ids_delta if inputs.stream else completion.token_ids)
+        if (completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
+                and not inputs.params.include_stop_str_in_output and generated):
+            generated.pop()  # the eos or stop token (end_id) that ended it: not in the text, as in text_output
         if not request.token_ids:
             request.token_ids = list(prompt_ids)
             request.prefix_offset, request.read_offset = initial_offsets(len(prompt_ids))
         if inputs.stream:
-            new_ids = list(completion.token_ids_delta)
+            new_ids = generated
             before = len(request.token_ids)
             request.token_ids.extend(new_ids)
             prefix_ids = request.token_ids[request.prefix_offset:before]
@@ -715,9 +719,9 @@ class TritonPythonModel:
         elif inputs.exclude_input_in_output:
             prefix_ids = prompt_ids[request.prefix_offset:]
             read_offset = len(prefix_ids)
-            output_ids = list(completion.token_ids)
+            output_ids = generated
         else:
-            prefix_ids, read_offset, output_ids = [], 0, list(prompt_ids) + list(completion.token_ids)
+            prefix_ids, read_offset, output_ids = [], 0, list(prompt_ids) + generated
         return [
             pb_utils.Tensor("output_ids", np.asarray(output_ids, dtype=np.int32)),
             pb_utils.Tensor("prefix_ids", np.asarray(prefix_ids, dtype=np.int32)),

@@ -96,6 +96,18 @@ def test_stop_token_id_ends_with_stop_and_names_the_token(engine):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
 
 
+def test_stop_token_text_is_left_out_unless_include_stop_str_in_output(engine):
+    tokens = engine.generate(PROMPT, greedy())[0].outputs[0].token_ids
+    stop_id = tokens[3]
+    first = tokens.index(stop_id)
+    decode = engine.tokenizer.decode
+    out = engine.generate(PROMPT, greedy(stop_token_ids=[stop_id]))[0].outputs[0]
+    kept = engine.generate(PROMPT, greedy(stop_token_ids=[stop_id], include_stop_str_in_output=True))[0].outputs[0]
+    assert out.token_ids == kept.token_ids == tokens[: first + 1]
+    assert out.text == decode(tokens[:first], skip_special_tokens=True)
+    assert kept.text == decode(tokens[: first + 1], skip_special_tokens=True) != out.text
+
+
 def test_eos_stops_unless_ignored_and_min_tokens_suppresses_it(engine):
     tokens = engine.generate(PROMPT, greedy())[0].outputs[0].token_ids
     # Random weights rarely pick a real eos; make the first greedy token an eos for this engine.

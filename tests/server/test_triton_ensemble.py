@@ -32,6 +32,26 @@ def test_http_generate_stream_through_the_ensemble_is_byte_exact(triton_server, 
     assert whole["text_output"] == llm["text_output"]
 
 
+def test_end_id_ends_the_ensemble_text_before_that_token_like_the_llm_text(triton_server):
+    prompt = "Paged attention stores keys"
+    greedy = {"text_input": prompt, "max_tokens": 12, "temperature": 0.0, "exclude_input_in_output": True,
+              "return_num_output_tokens": True}
+    full = triton_server.generate("llm", greedy)
+    ids = json.loads(triton_server.generate("llm", {**greedy, "return_logprobs": True, "logprobs": 0})["logprobs"])
+    end_id = ids[4]["token_id"]
+    cut = [e["token_id"] for e in ids].index(end_id)
+    llm = triton_server.generate("llm", {**greedy, "sampling_parameters": json.dumps({"stop_token_ids": [end_id]}),
+                                         "return_finish_reason": True})
+    assert llm["finish_reason"] == "stop" and llm["num_output_tokens"] == cut + 1
+    # The end token's text is left out (as vLLM and TensorRT-LLM do), through the ensemble too, streamed or not.
+    assert full["text_output"].startswith(llm["text_output"]) and llm["text_output"] != full["text_output"]
+    body = {"text_input": prompt, "max_tokens": 12, "temperature": 0.0, "exclude_input_in_output": True,
+            "end_id": end_id}
+    assert triton_server.generate("ensemble", body)["text_output"] == llm["text_output"]
+    events = triton_server.generate_stream("ensemble", {**body, "stream": True})
+    assert "".join(e["text_output"] for e in events) == llm["text_output"]
+
+
 def test_ensemble_without_exclude_input_returns_prompt_and_completion(triton_server):
     prompt = "Hello world"
     with_prompt = triton_server.generate("ensemble", {"text_input": prompt, "max_tokens": 6, "temperature": 0.0})
