@@ -603,6 +603,8 @@ class Generation:
         for i, text in enumerate(response.text):
             index = prompt_index * self.request.n + i
             state = self.choices[index]
+            if state.finish_reason is not None:
+                continue  # the llm model repeats an ended completion's finish reason in later responses
             entries = response.logprobs[i] if response.logprobs is not None else []
             finish = response.finish_reason[i]
             if self.request.echo_only:
