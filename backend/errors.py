@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# How an INTERNAL error response's message starts: a streamed gRPC error carries no status code, so a client
+# (the OpenAI shim) tells a server fault from a refused request by it.
+INTERNAL_ERROR_PREFIX = "internal error: "
+
 
 class PagedServeError(Exception):
     """Base class of every error pagedserve raises on purpose."""

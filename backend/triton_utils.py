@@ -15,7 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .detokenizer import detokenize_incrementally
-from .errors import InvalidRequestError, ServerBusyError, ShuttingDownError
+from .errors import INTERNAL_ERROR_PREFIX, InvalidRequestError, ServerBusyError, ShuttingDownError
 from .sampling_params import SamplingParams
 
 # KServe request parameters that Triton or its clients set for themselves, not sampling settings.
@@ -138,6 +138,8 @@ def error_response(error: BaseException) -> Any:
         code = pb_utils.TritonError.UNAVAILABLE
     else:
         code = pb_utils.TritonError.INTERNAL
+        if not message.startswith(INTERNAL_ERROR_PREFIX):
+            message = INTERNAL_ERROR_PREFIX + message
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import logging
 import os
 import time
 import uuid
@@ -24,7 +25,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pagedserve.backend.errors import InvalidRequestError
+from pagedserve.backend.errors import INTERNAL_ERROR_PREFIX, InvalidRequestError
 from pagedserve.backend.sampling_params import SamplingParams
 from pagedserve.client.triton_client import (
     LLMResponse,
@@ -65,6 +66,9 @@ _CHAT_FIELDS = _COMMON_FIELDS | set(_SAMPLING_FIELDS) | {
 _CHAT_ROLES = {"system", "developer", "user", "assistant"}
 
 
+logger = logging.getLogger("pagedserve.openai")
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -85,14 +89,31 @@ def _bad(message: str, param: str | None) -> APIError:
     return APIError(400, message, param)
 
 
+# Token ids travel to the llm model as INT32.
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _utf8(text: str, param: str) -> str:
+    """`text`, refused when it cannot be sent as UTF-8 (JSON allows lone surrogates such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _bad(f"'{param}' is not valid Unicode text (a lone surrogate at position {error.start})",
+                   param) from None
+    return text
+
+
 TRITON_ERRORS = (TritonRequestError, TritonUnavailableError)
 
 
 def _triton_error(error: Exception) -> APIError:
-    """Map a Triton failure: unreachable or a full queue is 503, anything the model refused is a 400."""
+    """Map a Triton failure: unreachable or a full queue is 503, a server fault 500, anything the model
+    refused is a 400."""
     if isinstance(error, TritonUnavailableError):
         return APIError(503, str(error), code="triton_unavailable")
     text = str(error)
+    if text.startswith(INTERNAL_ERROR_PREFIX):
+        return APIError(500, text, code="internal_error")
     if any(word in text.lower() for word in ("busy", "unavailable", "shutting down")):
         return APIError(503, text, code="server_busy")
     return _bad(text, _param_of_engine_message(text))
@@ -189,7 +210,7 @@ def _common(body: dict) -> tuple[str, dict[str, Any], bool, bool]:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise _bad("'stop' must be a string or a list of strings", "stop")
-        sampling["stop"] = stop
+        sampling["stop"] = [_utf8(s, "stop") for s in stop]
     stream = _typed(body, "stream", (bool,), "a boolean") or False
     options = body.get("stream_options")
     include_usage = False
@@ -224,15 +245,21 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
     def is_ids(x: Any) -> bool:
         return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
+    def checked_ids(ids: list[int]) -> list[int]:
+        for token in ids:
+            if not 0 <= token <= MAX_TOKEN_ID:
+                raise _bad(f"'prompt' token ids must be in [0, {MAX_TOKEN_ID}], got {token}", "prompt")
+        return list(ids)
+
     if isinstance(prompt, str):
-        return [prompt]
+        return [_utf8(prompt, "prompt")]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
+            return [_utf8(p, "prompt") for p in prompt]
         if is_ids(prompt):
-            return [list(prompt)]
+            return [checked_ids(prompt)]
         if all(is_ids(p) for p in prompt):
-            return [list(p) for p in prompt]
+            return [checked_ids(p) for p in prompt]
     raise _bad("'prompt' must be a string, a list of strings, or (lists of) token ids, and not empty", "prompt")
 
 
@@ -306,10 +333,14 @@ def parse_messages(messages: Any) -> list[dict]:
         for key in message:
             if key not in ("role", "content", "name"):
                 raise _bad(f"'{where}.{key}' is not supported by pagedserve", f"{where}.{key}")
-        text = _message_text(message.get("content"), f"{where}.content", allow_none=role == "assistant")
+        text = _utf8(_message_text(message.get("content"), f"{where}.content", allow_none=role == "assistant"),
+                     f"{where}.content")
         entry = {"role": "system" if role == "developer" else role, "content": text}
-        if isinstance(message.get("name"), str):
-            entry["name"] = message["name"]
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise _bad(f"'{where}.name' must be a string", f"{where}.name")
+            entry["name"] = _utf8(name, f"{where}.name")
         out.append(entry)
     return out
 
@@ -785,6 +816,13 @@ def create_app(settings: ShimSettings) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
+        # A bug of ours still answers in OpenAI's shape; the traceback goes to the log.
+        logger.exception("unexpected error serving %s", request.url.path)
+        body = APIError(500, f"internal error in the OpenAI shim: {type(error).__name__}", code="internal_error")
+        return JSONResponse(body.body(), status_code=500)
 
     async def authorize(request: Request) -> None:
         if settings.api_key is None:

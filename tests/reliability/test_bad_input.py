@@ -153,6 +153,11 @@ OPENAI_CASES = {
                                   "presence_penalty"),
     "unknown field": ("/v1/completions", {"prompt": "Hi", "temprature": 0.5}, "temprature"),
     "token ids outside the vocabulary": ("/v1/completions", {"prompt": [1, 100_000]}, "prompt"),
+    "a negative token id, echoed": ("/v1/completions", {"prompt": [5, -3], "echo": True}, "prompt"),
+    "a lone surrogate in the prompt": ("/v1/completions", {"prompt": "Hi \ud800"}, "prompt"),
+    "a lone surrogate in a chat message": ("/v1/chat/completions",
+                                           {"messages": [{"role": "user", "content": "Hi \udfff"}]},
+                                           "messages[0].content"),
     "prompt over max_model_len tokens": ("/v1/completions", {"prompt": TOO_MANY_TOKENS, "max_tokens": 1}, "prompt"),
     "max_tokens over the context": ("/v1/completions", {"prompt": "Hi", "max_tokens": 1000}, "max_tokens"),
     "chat top_logprobs above 20": ("/v1/chat/completions", {

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -50,3 +51,16 @@ def test_requests_around_a_failing_step_finish_or_share_its_error_and_the_engine
     wait_idle(small_pool_server)
     again = {p: "".join(_stream(small_pool_server, p).texts()) for p in prompts[:3]}
     assert again == {p: solo[p] for p in prompts[:3]}
+
+
+def test_a_failed_step_is_a_500_server_error_in_the_openai_shim(shim_url, small_pool_server, wait_idle,
+                                                                 fault_marker):
+    for stream in (False, True):
+        reply = httpx.post(f"{shim_url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": f"Shim meets {fault_marker}", "max_tokens": 4, "stream": stream})
+        # It fails before the first token, so a stream answers with the status too. A server fault, not the
+        # client's: OpenAI clients may retry a 500, never a 400.
+        assert reply.status_code == 500, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "server_error" and "injected fault" in error["message"]
+    wait_idle(small_pool_server)

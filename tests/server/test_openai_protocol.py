@@ -80,6 +80,13 @@ def test_completion_refuses_malformed_prompt_naming_it(prompt):
     [
         ({"temperature": "hot"}, "temperature"),
         ({"temperature": True}, "temperature"),
+        # JSON allows a lone surrogate ("\ud800"), which cannot be sent on as UTF-8.
+        ({"prompt": "hi \ud800"}, "prompt"),
+        ({"prompt": ["ok", "\udfff"]}, "prompt"),
+        ({"stop": ["\ud800"]}, "stop"),
+        # Token ids travel as INT32: a negative or larger id is refused, never wrapped to another token.
+        ({"prompt": [5, -3]}, "prompt"),
+        ({"prompt": [[5], [2**32 + 5]]}, "prompt"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n"),
@@ -138,6 +145,8 @@ def test_chat_logprobs_and_top_logprobs_map_to_engine_logprobs():
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "a \ud800"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "a", "name": 7}]}, "messages[0].name"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[0]"),
         ({"echo": True}, "echo"),
@@ -425,6 +434,8 @@ def test_merged_streams_close_every_source_when_the_reader_stops():
         ("the llm model is shutting down", 503, None),
         ("prompt of 300 tokens plus max_tokens 16 exceeds max_model_len 256", 400, "prompt"),
         ("top_p must be in (0, 1], got 1.5", 400, "top_p"),
+        # A server fault (the llm model's INTERNAL errors start so) is a 500, never the client's fault.
+        ("internal error: engine step failed: RuntimeError('boom')", 500, None),
     ],
 )
 def test_llm_errors_map_to_openai_status_and_param(error, status, param):
