@@ -114,8 +114,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        add_special_tokens: bool = True,
     ) -> None:
-        """Validate and queue a request; bad input raises InvalidRequestError naming the field."""
+        """Validate and queue a request; bad input raises InvalidRequestError naming the field.
+
+        `add_special_tokens=False` tokenizes a text prompt without the tokenizer's own special tokens (a BOS):
+        for a prompt rendered from a chat template, which has them already (as vLLM's chat API does)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
         if request_id in self._groups or request_id in self._seq_of or request_id in self._beam_of:
@@ -125,7 +129,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"params must be a SamplingParams, got {type(params).__name__}", "sampling_parameters"
             )
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, add_special_tokens)
         width, field = (params.beam_width, "beam_width") if params.beam_width > 1 else (params.n, "n")
         if width > self.scheduler_config.max_num_seqs:
             # Its sequences all run at once (they fork at the first token).
@@ -169,7 +173,8 @@ class LLMEngine:
                 "beam_width",
             )
 
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                          add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, from the ids when given, else by tokenizing the text."""
         if prompt_token_ids is not None:
             if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
@@ -189,7 +194,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        token_ids = self.tokenizer.encode(prompt)
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not token_ids:
             raise InvalidRequestError("prompt tokenizes to no tokens", "prompt")
         return token_ids

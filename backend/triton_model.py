@@ -401,7 +401,8 @@ class TritonPythonModel:
         inputs = request.inputs
         try:
             self._engine.add_request(request.request_id, inputs.prompt, inputs.params,
-                                     prompt_token_ids=inputs.prompt_token_ids)
+                                     prompt_token_ids=inputs.prompt_token_ids,
+                                     add_special_tokens=inputs.add_special_tokens)
         except Exception as error:  # noqa: BLE001 - every failure becomes this request's error response
             self._outbox.put_for(request, ("error", request, error))
             return

@@ -47,6 +47,7 @@ class LLMRequestInputs:
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    add_special_tokens: bool = True
 
     @property
     def from_ensemble(self) -> bool:
@@ -75,10 +76,10 @@ def _string_input(inputs: dict[str, Any], name: str, max_bytes: int | None = Non
         raise InvalidRequestError(f"{name} is not valid UTF-8 ({error.reason} at byte {error.start})", name) from None
 
 
-def _bool_input(inputs: dict[str, Any], name: str) -> bool:
-    """An optional BOOL[1] input, False when absent."""
+def _bool_input(inputs: dict[str, Any], name: str, default: bool = False) -> bool:
+    """An optional BOOL[1] input, `default` when absent."""
     tensor = inputs.get(name)
-    return bool(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else False
+    return bool(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else default
 
 
 def _request_parameters(request: Any) -> dict[str, Any]:
@@ -122,6 +123,7 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
         params=params,
         stream=_bool_input(inputs, "stream"),
         exclude_input_in_output=_bool_input(inputs, "exclude_input_in_output"),
+        add_special_tokens=_bool_input(inputs, "add_special_tokens", default=True),
         **flags,
     )
 

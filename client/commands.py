@@ -106,7 +106,9 @@ async def _stream_reply(client: TritonLLMClient, prompt: str, args: argparse.Nam
     if interactive:
         sys.stdout.write("assistant> ")
     parts = []
-    async for response in client.generate(prompt, sampling_parameters=sampling_parameters(args), stream=True):
+    # The rendered template holds the special tokens it wants: none are added on top (as in vLLM's chat API).
+    async for response in client.generate(prompt, sampling_parameters=sampling_parameters(args), stream=True,
+                                          add_special_tokens=False):
         parts.append(response.text[0])
         sys.stdout.write(response.text[0])
         sys.stdout.flush()

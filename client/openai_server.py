@@ -57,7 +57,8 @@ _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "skip_special_tokens": (bool,),
     "include_stop_str_in_output": (bool,),
 }
-_COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "max_tokens", "user", "logit_bias"}
+_COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "max_tokens", "user", "logit_bias",
+                  "add_special_tokens"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | set(_SAMPLING_FIELDS) | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | set(_SAMPLING_FIELDS) | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
@@ -150,6 +151,9 @@ class GenerationRequest:
     max_tokens_param: str = "max_tokens"
     messages: list[dict] = field(default_factory=list)
     echo_only: bool = False  # echo with max_tokens 0: the prompt (and its logprobs), nothing generated
+    # Whether the tokenizer adds its special tokens (a BOS) to a text prompt: vLLM's extra field, true for
+    # completions, false for chat (the rendered template holds them already).
+    add_special_tokens: bool = True
 
     @property
     def n(self) -> int:
@@ -285,7 +289,8 @@ def parse_completion_request(body: dict) -> GenerationRequest:
     best_of = _typed(body, "best_of", (int,), "an integer")
     if best_of is not None and best_of != sampling.get("n", 1):
         raise _bad("'best_of' different from 'n' is not supported", "best_of")
-    request = GenerationRequest(model, prompts, sampling, stream, include_usage, echo, logprobs, echo_only=echo_only)
+    request = GenerationRequest(model, prompts, sampling, stream, include_usage, echo, logprobs, echo_only=echo_only,
+                                add_special_tokens=_add_special_tokens(body, default=True))
     _validate_sampling(request)
     return request
 
@@ -313,9 +318,15 @@ def parse_chat_request(body: dict) -> GenerationRequest:
     request = GenerationRequest(
         model, [], sampling, stream, include_usage, False, logprobs,
         "max_completion_tokens" if max_completion_tokens is not None else "max_tokens", messages,
+        add_special_tokens=_add_special_tokens(body, default=False),
     )
     _validate_sampling(request)
     return request
+
+
+def _add_special_tokens(body: dict, default: bool) -> bool:
+    value = _typed(body, "add_special_tokens", (bool,), "a boolean")
+    return default if value is None else value
 
 
 def parse_messages(messages: Any) -> list[dict]:
@@ -572,6 +583,7 @@ class OpenAIShim:
                     stream=request.stream,
                     return_logprobs=request.logprobs is not None,
                     request_id=f"{request_id}-{i}",
+                    add_special_tokens=request.add_special_tokens,
                 )
             )
         return streams

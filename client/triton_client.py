@@ -61,6 +61,7 @@ def build_inputs(
     sampling_parameters: dict,
     stream: bool,
     return_logprobs: bool,
+    add_special_tokens: bool = True,
 ) -> list[grpcclient.InferInput]:
     """The input tensors of one `llm` request, exactly as docs/interfaces.md names them."""
     if (prompt is None) == (input_ids is None):
@@ -81,6 +82,7 @@ def build_inputs(
         "return_num_output_tokens": True,
         "return_logprobs": return_logprobs,
         "return_cumulative_logprob": return_logprobs,
+        "add_special_tokens": add_special_tokens,
     }
     for name, value in flags.items():
         tensors.append((name, np.array([value], dtype=bool), "BOOL"))
@@ -157,6 +159,7 @@ class TritonLLMClient:
         stream: bool = True,
         return_logprobs: bool = False,
         request_id: str = "",
+        add_special_tokens: bool = True,
     ) -> AsyncIterator[LLMResponse]:
         """Send one request and yield its responses until every sequence has finished.
 
@@ -164,7 +167,8 @@ class TritonLLMClient:
         when it cannot be reached. Leaving the loop early (break, exception, task cancellation)
         cancels the request on the server.
         """
-        inputs = build_inputs(prompt, input_ids, sampling_parameters or {}, stream, return_logprobs)
+        inputs = build_inputs(prompt, input_ids, sampling_parameters or {}, stream, return_logprobs,
+                              add_special_tokens)
 
         async def requests():
             yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}

@@ -237,6 +237,28 @@ def test_n_greater_than_1_counts_every_sequence_against_max_num_seqs(tiny_llama_
     assert info.value.field == "n" and "max_num_seqs (4)" in str(info.value)
 
 
+def test_a_prompt_rendered_from_a_chat_template_gets_no_second_bos(tiny_llama_path, tmp_path):
+    # A tokenizer that adds a BOS of its own, as Llama's do; its chat template starts with the BOS too.
+    folder = tmp_path / "bos"
+    shutil.copytree(tiny_llama_path, folder)
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    tokenizer_json["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    engine = LLMEngine.from_pretrained(str(folder), dtype="float32", device="cpu", max_model_len=128)
+    rendered = "<|endoftext|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    engine.add_request("plain", rendered, greedy(max_tokens=1, prompt_logprobs=0))
+    engine.add_request("chat", rendered, greedy(max_tokens=1, prompt_logprobs=0), add_special_tokens=False)
+    ids = {rid: out.prompt_token_ids for rid, out in run_to_end(engine).items()}
+    assert ids["chat"][0] == 0 and ids["chat"][1] != 0  # one BOS: the template's
+    assert ids["plain"] == [0, *ids["chat"]]  # the tokenizer's own BOS on top
+
+
 def test_seeded_sampling_is_the_same_alone_or_in_a_batch(engine):
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
     alone = engine.generate(PROMPT, seeded)[0].outputs[0].token_ids

@@ -315,6 +315,26 @@ def test_completion_logprobs_have_legacy_shape_with_text_offsets():
     }
 
 
+def test_chat_prompts_get_no_special_tokens_added_unless_asked():
+    assert parse_chat_request(_chat()).add_special_tokens is False
+    assert parse_chat_request(_chat(add_special_tokens=True)).add_special_tokens is True
+    assert parse_completion_request(_completion()).add_special_tokens is True
+    assert _param_of(parse_chat_request, _chat(add_special_tokens="no")) == "add_special_tokens"
+
+    sent = []
+
+    class RecordingClient:
+        def generate(self, prompt, **kwargs):
+            sent.append((prompt, kwargs["add_special_tokens"]))
+
+    shim = OpenAIShim(ShimSettings())
+    shim._client = RecordingClient()
+    request = parse_chat_request(_chat())
+    request.prompts = ["<bos>rendered"]
+    shim.triton_streams(request, "id")
+    assert sent == [("<bos>rendered", False)]
+
+
 def test_echo_with_logprobs_asks_for_prompt_logprobs():
     assert parse_completion_request(_completion(echo=True, logprobs=2)).sampling["prompt_logprobs"] == 2
     assert "prompt_logprobs" not in parse_completion_request(_completion(logprobs=2)).sampling
