@@ -520,7 +520,14 @@ class TritonPythonModel:
                 continue
             watched = [request for request in watched if not request.closed and not request.cancel_reported]
             for request in watched:
-                if self._is_cancelled(request):
+                try:
+                    cancelled = self._is_cancelled(request)
+                except Exception as error:  # noqa: BLE001 - one broken sender must not end the cancel thread
+                    pb_utils.Logger.log_warn(f"pagedserve: is_cancelled() failed for {request.request_id} "
+                                             f"({error!r}); it is not asked again")
+                    request.cancel_reported = True
+                    continue
+                if cancelled:
                     request.cancel_reported = True
                     self._inbox.put(_Cancel(request.request_id))
             if watched:
