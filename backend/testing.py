@@ -155,3 +155,30 @@ def _ensure_chat_template_in_config(path: Path) -> None:
     config = json.loads(config_file.read_text())
     config["chat_template"] = CHATML_TEMPLATE
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def copy_with_bos_tokenizer(source: str | Path, target: str | Path) -> Path:
+    """Copy a tiny model folder, making its tokenizer add a BOS (END_OF_TEXT) of its own, as Llama's and
+    Mistral's do, and its chat template start with `{{ bos_token }}` as theirs do."""
+    import shutil
+
+    target = Path(target)
+    shutil.copytree(source, target)
+    tokenizer_file = target / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_file.read_text())
+    bos = {"SpecialToken": {"id": END_OF_TEXT, "type_id": 0}}
+    bos_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == END_OF_TEXT)
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {END_OF_TEXT: {"id": END_OF_TEXT, "ids": [bos_id], "tokens": [END_OF_TEXT]}},
+    }
+    tokenizer_file.write_text(json.dumps(tokenizer, ensure_ascii=False))
+    template = "{{ bos_token }}" + CHATML_TEMPLATE
+    (target / "chat_template.jinja").write_text(template)
+    config_file = target / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(bos_token=END_OF_TEXT, chat_template=template)
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return target

@@ -10,6 +10,7 @@ from pagedserve.backend.engine import LLMEngine
 from pagedserve.backend.errors import InvalidRequestError
 from pagedserve.backend.model import UnsupportedModelError
 from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.testing import copy_with_bos_tokenizer
 
 PROMPT = "The quick brown fox"
 
@@ -239,17 +240,7 @@ def test_n_greater_than_1_counts_every_sequence_against_max_num_seqs(tiny_llama_
 
 def test_a_prompt_rendered_from_a_chat_template_gets_no_second_bos(tiny_llama_path, tmp_path):
     # A tokenizer that adds a BOS of its own, as Llama's do; its chat template starts with the BOS too.
-    folder = tmp_path / "bos"
-    shutil.copytree(tiny_llama_path, folder)
-    tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
-    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
-    tokenizer_json["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}},
-    }
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    folder = copy_with_bos_tokenizer(tiny_llama_path, tmp_path / "bos")
     engine = LLMEngine.from_pretrained(str(folder), dtype="float32", device="cpu", max_model_len=128)
     rendered = "<|endoftext|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     engine.add_request("plain", rendered, greedy(max_tokens=1, prompt_logprobs=0))
