@@ -185,20 +185,3 @@ def triton_server(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactor
         )
     finally:
         server.stop()
-
-
-@pytest.fixture(scope="session")
-def prompt_logprobs_oracle(tiny_llama_path: Path):
-    """transformers' fp32 logprob of prompt token i+1 given tokens 0..i, for each i, with the served model."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32).eval()
-
-    def oracle(prompt_ids: list[int]) -> list[float]:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt_ids])).logits[0].float()
-        logprobs = torch.log_softmax(logits[:-1], -1)
-        return logprobs.gather(1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(1).tolist()
-
-    return oracle

@@ -91,7 +91,7 @@ def test_token_id_prompt_completes_like_its_text(client, tokenizer):
     assert by_ids.choices[0].text == tokenizer.decode(ids) + by_text.choices[0].text
 
 
-def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, tokenizer, prompt_logprobs_oracle):
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, tokenizer, triton_server, hf_reference):
     # lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs=1, one new token, greedy.
     ids = tokenizer(PROMPT + " Paris")["input_ids"]
     kwargs = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
@@ -99,7 +99,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, to
     logprobs = choice.logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(ids) + 1
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-    assert logprobs.token_logprobs[1:-1] == pytest.approx(prompt_logprobs_oracle(ids), abs=1e-4)
+    assert logprobs.token_logprobs[1:-1] == pytest.approx(hf_reference.prompt_logprobs(triton_server.model_path, ids), abs=1e-4)
     assert choice.text == tokenizer.decode(ids) + logprobs.tokens[-1]
     # The greedy continuation is the top candidate; a prompt token's top candidate is at least as likely.
     assert logprobs.token_logprobs[-1] == pytest.approx(max(logprobs.top_logprobs[-1].values()))
@@ -113,14 +113,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_harness_asks(client, to
     assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-5)
 
 
-def test_echo_without_generation_scores_the_prompt_only(client, tokenizer, prompt_logprobs_oracle):
+def test_echo_without_generation_scores_the_prompt_only(client, tokenizer, triton_server, hf_reference):
     # max_tokens 0 with echo (older lm-evaluation-harness releases ask this way), as vLLM answers it.
     ids = tokenizer(PROMPT)["input_ids"]
     result = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
     (choice,) = result.choices
     assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
     assert choice.logprobs.token_logprobs[0] is None
-    assert choice.logprobs.token_logprobs[1:] == pytest.approx(prompt_logprobs_oracle(ids), abs=1e-4)
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(hf_reference.prompt_logprobs(triton_server.model_path, ids), abs=1e-4)
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(ids), 0)
 
 

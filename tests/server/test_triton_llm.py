@@ -87,7 +87,7 @@ def test_return_flags_add_token_counts_finish_reason_and_logprobs(triton_server)
     assert answer["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in entries), abs=1e-3)
 
 
-def test_prompt_logprobs_match_transformers_and_come_once(triton_server, prompt_logprobs_oracle):
+def test_prompt_logprobs_match_transformers_and_come_once(triton_server, hf_reference):
     body = {"text_input": "The quick brown fox jumps over", "max_tokens": 3, "temperature": 0,
             "ignore_eos": True, "prompt_logprobs": 2, "exclude_input_in_output": True,
             "return_num_input_tokens": True}
@@ -96,7 +96,7 @@ def test_prompt_logprobs_match_transformers_and_come_once(triton_server, prompt_
     assert len(entries) == answer["num_input_tokens"] > 2
     assert entries[0]["logprob"] is None and entries[0]["top_logprobs"] is None
     ids = [e["token_id"] for e in entries]
-    expected = prompt_logprobs_oracle(ids)
+    expected = hf_reference.prompt_logprobs(triton_server.model_path, ids)
     assert [e["logprob"] for e in entries[1:]] == pytest.approx(expected, abs=1e-4)
     for entry in entries[1:]:
         tops = [t["logprob"] for t in entry["top_logprobs"]]
