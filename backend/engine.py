@@ -325,10 +325,11 @@ class LLMEngine:
                 self._prompt_tokens += request.num_prompt_tokens
             self._generation_tokens += 1
             token = sampled.token_ids[i]
+            stop_token = self._is_stop_token(request, token)
             # As in vLLM, the text of an eos or stop token is not output unless include_stop_str_in_output.
-            text = request.sampling_params.include_stop_str_in_output or not self._is_stop_token(request, token)
+            text = request.sampling_params.include_stop_str_in_output or not stop_token
             seq.add_token(token, sampled.logprobs[i], sampled.top_logprobs[i], text=text)
-            status = self._check_stop(seq)
+            status = self._check_stop(seq, stop_token)
             if status is not None:
                 seq.finish(status)
                 finished.setdefault(status, []).append(request.request_id)
@@ -362,15 +363,15 @@ class LLMEngine:
             _, tops = compute_logprobs(logits, targets, group.params.prompt_logprobs or 0)
             group.prompt_logprobs[start + 1 : start + 1 + len(tops)] = tops
 
-    def _check_stop(self, seq: SequenceState) -> RequestStatus | None:
-        """Why this sequence stops after its newest token, if it does: stop string, eos, stop id, length."""
+    def _check_stop(self, seq: SequenceState, stop_token: bool) -> RequestStatus | None:
+        """Why this sequence stops after its newest token, if it does: stop string, eos, stop id
+        (`stop_token`: `_is_stop_token` of that token), length."""
         request = seq.request
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
         if seq.stop_reason is not None:
             return RequestStatus.FINISHED_STOPPED
-        if self._is_stop_token(request, token):
-            if token in params.stop_token_ids:
+        if stop_token:
+            token = request.output_token_ids[-1]
+            if token in request.sampling_params.stop_token_ids:
                 seq.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if (
