@@ -725,29 +725,34 @@ class Generation:
             chunk["usage"] = None
         return chunk
 
+    def _echo_chunks(self, prompt_index: int, prompt: str, entries: list[dict]) -> list[str]:
+        """The echoed prompt as the first chunk of each of its choices, with its token logprobs if asked."""
+        events = []
+        for index in range(prompt_index * self.request.n, (prompt_index + 1) * self.request.n):
+            logprobs = self._logprobs(entries, self.choices[index])
+            events.append(sse_event(self._chunk(index, prompt, logprobs, None)))
+        return events
+
     async def chunks(self, stream: AsyncIterator[tuple[int, LLMResponse]]) -> AsyncIterator[str]:
         """The SSE events of a streamed answer, ending with the usage chunk (if asked) and [DONE]."""
         if self.chat:
             for index in range(len(self.choices)):
                 yield sse_event(self._chunk(index, None, None, None, role=True))
-        echoes: list[str | None] = []
+        # Echoed prompts still to send, by prompt index: with logprobs, each waits for its first response,
+        # which brings the prompt's logprobs.
+        echoes: dict[int, str] = {}
         if self.request.echo:
-            echoes = list(await self.prompt_texts())
+            echoes = dict(enumerate(await self.prompt_texts()))
             if self.request.logprobs is None:
-                for index, prompt in enumerate(echoes):
-                    for i in range(self.request.n):
-                        self.choices[index * self.request.n + i].text_offset = len(prompt)
-                        yield sse_event(self._chunk(index * self.request.n + i, prompt, None, None))
-                echoes = []
+                for prompt_index, prompt in echoes.items():
+                    for event in self._echo_chunks(prompt_index, prompt, []):
+                        yield event
+                echoes = {}
         try:
             async for prompt_index, response in stream:
-                if echoes and echoes[prompt_index] is not None and response.prompt_logprobs is not None:
-                    # Echo with logprobs: the prompt goes out with its logprobs, which come with its first response.
-                    for i in range(self.request.n):
-                        index = prompt_index * self.request.n + i
-                        logprobs = self._logprobs(response.prompt_logprobs, self.choices[index])
-                        yield sse_event(self._chunk(index, echoes[prompt_index], logprobs, None))
-                    echoes[prompt_index] = None
+                if prompt_index in echoes and response.prompt_logprobs is not None:
+                    for event in self._echo_chunks(prompt_index, echoes.pop(prompt_index), response.prompt_logprobs):
+                        yield event
                 for index, text, entries, finish in self._absorb(prompt_index, response):
                     state = self.choices[index]
                     if not text and not entries and finish is None:
