@@ -156,13 +156,38 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"sampling_parameters must be a JSON object, got {type(d).__name__}", "sampling_parameters"
             )
-        known = _FIELD_NAMES
+        known = _FIELD_TYPES
         for key in d:
             if key not in known:
                 raise InvalidRequestError(
                     f"unknown sampling parameter {key!r}; allowed: {', '.join(sorted(known))}", str(key)
                 )
-        return cls(**d)
+        return cls(**{key: _from_string(key, value) for key, value in d.items()})
 
 
-_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))
+_FIELD_TYPES = {f.name: f.type for f in fields(SamplingParams)}
+_TRUE_WORDS = frozenset({"true", "1", "yes", "y", "on", "t"})
+_FALSE_WORDS = frozenset({"false", "0", "no", "n", "off", "f"})
+
+
+def _from_string(name: str, value: Any) -> Any:
+    """A string value converted by the field's type, as Triton's vLLM backend does (genai-perf sends
+    `"max_tokens": "32"`); other values and string-typed fields pass through to the field checks."""
+    if not isinstance(value, str):
+        return value
+    kind = _FIELD_TYPES[name].replace(" | None", "")
+    text = value.strip()
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise _fail(name, f"must be {'an integer' if kind == 'int' else 'a number'}, got {value!r}") from None
+    if kind == "bool":
+        if text.lower() in _TRUE_WORDS:
+            return True
+        if text.lower() in _FALSE_WORDS:
+            return False
+        raise _fail(name, f"must be a boolean (true or false), got {value!r}")
+    return value

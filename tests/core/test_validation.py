@@ -49,18 +49,35 @@ def test_out_of_range_values_name_the_field_and_range(kwargs, field, message):
     [
         ({"n": True}, "n"),
         ({"max_tokens": 1.0}, "max_tokens"),
-        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": "warm"}, "temperature"),
         ({"top_p": None}, "top_p"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": "2"}, "stop_token_ids"),
-        ({"seed": "7"}, "seed"),
+        ({"seed": "seven"}, "seed"),
+        ({"max_tokens": "3.5"}, "max_tokens"),
+        ({"max_tokens": ""}, "max_tokens"),
+        ({"ignore_eos": "maybe"}, "ignore_eos"),
+        ({"temperature": "nan"}, "temperature"),
+        ({"top_p": "1.5"}, "top_p"),
     ],
 )
 def test_from_dict_refuses_wrong_types(d, field):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams.from_dict(d)
     assert info.value.field == field
+
+
+def test_from_dict_converts_strings_by_the_fields_type_as_the_vllm_backend_does():
+    # genai-perf --backend vllm --output-tokens-mean 32 sends exactly this.
+    params = SamplingParams.from_dict({"max_tokens": "32", "min_tokens": "32"})
+    assert (params.max_tokens, params.min_tokens) == (32, 32)
+    params = SamplingParams.from_dict({"temperature": "0.7", "top_p": " 0.9 ", "seed": "7", "n": "2",
+                                       "ignore_eos": "true", "skip_special_tokens": "False", "logprobs": "1"})
+    assert (params.temperature, params.top_p, params.seed, params.n) == (0.7, 0.9, 7, 2)
+    assert params.ignore_eos is True and params.skip_special_tokens is False and params.logprobs == 1
+    # String-typed fields keep their string.
+    assert SamplingParams.from_dict({"stop": "32"}).stop == ["32"]
 
 
 def test_from_dict_refuses_unknown_keys_and_non_objects():

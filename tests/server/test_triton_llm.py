@@ -208,3 +208,21 @@ def test_metrics_page_carries_the_vllm_names(triton_server):
                  "vllm:e2e_request_latency_seconds"):
         assert triton_server.metric(f"{name}_count") >= 1, name
     assert triton_server.metric("vllm:generation_tokens_total") >= 3
+
+
+def test_genai_perf_vllm_payload_with_string_numbers_is_served(triton_server):
+    # genai-perf --backend vllm --endpoint-type kserve --streaming --output-tokens-mean 32: its exact inputs.
+    result = triton_server.grpc_stream("llm", {
+        "text_input": "Tell me a story.", "stream": True, "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps({"max_tokens": "32", "min_tokens": "32"}),
+        "return_num_output_tokens": True,
+    })
+    assert result.error is None, result.error
+    assert int(result.responses[-1].as_numpy("num_output_tokens")[0]) == 32
+    refused = triton_server.grpc_stream("llm", {
+        "text_input": "Tell me a story.", "sampling_parameters": json.dumps({"max_tokens": "thirty-two"})})
+    assert refused.responses == [] and "max_tokens must be an integer, got 'thirty-two'" in str(refused.error)
+    # The HTTP generate endpoint's extra fields are converted the same way.
+    body = {"text_input": "Hi", "max_tokens": "4", "min_tokens": "4", "temperature": "0",
+            "exclude_input_in_output": True, "return_num_output_tokens": True}
+    assert triton_server.generate("llm", body)["num_output_tokens"] == 4
