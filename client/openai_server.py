@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pagedserve.backend.errors import INTERNAL_ERROR_PREFIX, InvalidRequestError
 from pagedserve.backend.sampling_params import SamplingParams
@@ -833,6 +834,16 @@ def create_app(settings: ShimSettings) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and wrong methods answer in OpenAI's shape too, not FastAPI's {"detail": ...}.
+        if error.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path})"
+        else:
+            message = f"{error.detail} ({request.method} {request.url.path})"
+        body = APIError(error.status_code, message, code="not_found" if error.status_code == 404 else None)
+        return JSONResponse(body.body(), status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:

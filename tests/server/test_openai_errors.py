@@ -94,3 +94,20 @@ def test_triton_down_reports_unhealthy_and_503(client):
     assert client.get("/health").status_code == 503
     error = _error(client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}), 503)
     assert error["type"] == "server_error"
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/chat/completion"),
+    ("GET", "/v1/nothing/here"),
+])
+def test_unknown_route_is_openai_404(client, method, path):
+    error = _error(client.request(method, path, json={"model": "tiny"}), 404)
+    assert error["type"] == "invalid_request_error" and path in error["message"]
+    assert error["code"] == "not_found"
+
+
+def test_wrong_method_is_openai_405(client):
+    error = _error(client.get("/v1/completions"), 405)
+    assert error["type"] == "invalid_request_error" and "/v1/completions" in error["message"]
