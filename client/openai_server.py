@@ -24,7 +24,6 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pagedserve.backend.errors import INTERNAL_ERROR_PREFIX, InvalidRequestError
 from pagedserve.backend.sampling_params import SamplingParams
@@ -34,6 +33,7 @@ from pagedserve.client.triton_client import (
     TritonRequestError,
     TritonUnavailableError,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 DEFAULT_PORT = 9000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
