@@ -377,20 +377,20 @@ def copy_bandwidth(device: torch.device, dry: bool) -> float:
 
 def engine_throughput(device: torch.device, dry: bool, model: str | None, workdir: Path) -> dict:
     """Offline generate() output tokens/s; SmolLM2-135M if found, else a random model of its shape."""
-    from pagedserve.backend.engine import LLMEngine
-    from pagedserve.backend.sampling_params import SamplingParams
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
 
     source = "given"
     # The interpreter emulates bf16 bit by bit, far too slowly for a whole model: the dry run uses fp32.
     dtype = "float32" if dry else "bfloat16"
     if model is None and not dry:
-        from pagedserve.backend.default_model import default_model_dir, is_prepared
+        from pagedserve.backend.worker.default_model import default_model_dir, is_prepared
 
         candidate = default_model_dir()
         if is_prepared(candidate):
             model, source = str(candidate), "SmolLM2-135M-Instruct (converted default model)"
     if model is None:
-        from pagedserve.backend.testing import make_tiny_model
+        from pagedserve.testing import make_tiny_model
 
         # SmolLM2-135M's shape (30 layers, hidden 576, 9/3 heads, MLP 1536, tied); the tiny tokenizer's
         # 384-token vocabulary replaces its 49152, so the lm_head is cheaper than the real model's.

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from pagedserve.backend.config import CacheConfig, SchedulerConfig
-from pagedserve.backend.request import Request, RequestStatus
-from pagedserve.backend.sampling_params import SamplingParams
-from pagedserve.backend.scheduler import Scheduler, SchedulerOutput
+from pagedserve.backend.core.config import CacheConfig, SchedulerConfig
+from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scheduler.json"
 BLOCK_SIZE = 16

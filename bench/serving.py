@@ -277,7 +277,7 @@ def _run_client_processes(server, concurrency: int, prompts: list[str], sampling
 
 
 def _inprocess_timings(engine, concurrency: int, prompts: list[str], sampling: dict) -> tuple[list[Timing], float]:
-    from pagedserve.backend.sampling_params import SamplingParams
+    from pagedserve.backend.core.sampling_params import SamplingParams
 
     params = SamplingParams.from_dict(sampling)
     pending = list(reversed(prompts))
@@ -321,7 +321,7 @@ def run_replay(engine, recorded: list[Timing], sampling: dict) -> tuple[dict, li
     boundary after it was sent, an idle engine waits for the next arrival, and TTFT counts from the send.
     The difference to Triton's TTFT is then the path's own cost, not the two loops' arrival patterns.
     """
-    from pagedserve.backend.sampling_params import SamplingParams
+    from pagedserve.backend.core.sampling_params import SamplingParams
 
     params = SamplingParams.from_dict(sampling)
     engine.scheduler.reset_prefix_cache()  # the closed loop just ran these prompts; Triton's cache had them once
@@ -419,7 +419,7 @@ def main() -> int:
 
         torch.set_num_threads(args.torch_threads)
         os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # inherited by tritonserver's stubs
-    from pagedserve.backend.engine import LLMEngine
+    from pagedserve.backend.engine.llm_engine import LLMEngine
     from pagedserve.client.launcher import (
         DEFAULT_MODEL_REPOSITORY,
         TritonServer,
@@ -430,13 +430,13 @@ def main() -> int:
     load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
     if args.tiny:
-        from pagedserve.backend.testing import make_tiny_model
+        from pagedserve.testing import make_tiny_model
 
         model = str(make_tiny_model(work / "tiny", "llama"))
     elif args.model:
         model = str(Path(args.model).resolve())
     else:
-        from pagedserve.backend.default_model import ensure_default_model
+        from pagedserve.backend.worker.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     params = dict(p.split("=", 1) for p in args.param)

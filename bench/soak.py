@@ -177,7 +177,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pagedserve-soak-"))
     model = args.model
     if model is None:
-        from pagedserve.backend.testing import make_tiny_model
+        from pagedserve.testing import make_tiny_model
 
         model = str(make_tiny_model(work / "tiny-llama", "llama"))
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work / "models", model, ENGINE_PARAMS)

@@ -77,8 +77,8 @@ class RunResult:
 
 def run_pagedserve(model: str, dtype: str, workload: Workload, kv_bytes: int) -> RunResult:
     """All requests submitted at once to LLMEngine.generate (continuous batching)."""
-    from pagedserve.backend.engine import LLMEngine
-    from pagedserve.backend.sampling_params import SamplingParams
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(model, dtype=dtype, device="cpu", kv_cache_memory_bytes=kv_bytes,
                                        max_num_seqs=256, max_num_batched_tokens=2048)
@@ -273,7 +273,7 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.median_prompt, args.median_output, args.max_len = 32, 32, 32, 128
 
-    from pagedserve.backend.default_model import default_model_dir, ensure_default_model
+    from pagedserve.backend.worker.default_model import default_model_dir, ensure_default_model
     from transformers import AutoConfig
 
     torch.set_num_threads(args.threads)

@@ -424,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
     params = _parse_params(args.param)
     model = args.model
     if model is None:
-        from pagedserve.backend.default_model import ensure_default_model
+        from pagedserve.backend.worker.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     model = str(Path(model).expanduser().resolve())

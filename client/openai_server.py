@@ -25,8 +25,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pagedserve.backend.errors import INTERNAL_ERROR_PREFIX, InvalidRequestError
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.errors import INTERNAL_ERROR_PREFIX, InvalidRequestError
+from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.client.triton_client import (
     LLMResponse,
     TritonLLMClient,

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from . import cpu_native, reference
+from pagedserve.kernels import cpu_native, reference
 
 
 def _context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:  # -> [Hkv, length, D]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from . import cpu_native, reference
+from pagedserve.kernels import cpu_native, reference
 
 
 def _native(*tensors: torch.Tensor) -> bool:

@@ -12,9 +12,8 @@ import os
 from types import ModuleType
 
 import torch
-
-from . import reference
-from .rope_cache import compute_cos_sin_cache
+from pagedserve.kernels import reference
+from pagedserve.kernels.rope_cache import compute_cos_sin_cache
 
 __all__ = [
     "compute_cos_sin_cache",

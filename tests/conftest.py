@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pagedserve.backend.testing import make_tiny_model
+
+from pagedserve.testing import make_tiny_model
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",

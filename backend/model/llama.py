@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.worker.attention import AttentionMetadata
 from pagedserve.kernels import ops
 from torch import nn
-
-from ..attention import AttentionMetadata
-from .config import ModelArchConfig
 
 
 class RMSNorm(nn.Module):

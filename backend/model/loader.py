@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.model.llama import LlamaForCausalLM
 from safetensors import safe_open
-
-from .config import ModelArchConfig
-from .llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from pagedserve.backend.block_manager import compute_slot_mapping
-from pagedserve.backend.config import CacheConfig, SchedulerConfig
-from pagedserve.backend.request import Request, RequestStatus
-from pagedserve.backend.sampling_params import SamplingParams
-from pagedserve.backend.scheduler import Scheduler, SchedulerOutput
+from pagedserve.backend.core.block_manager import compute_slot_mapping
+from pagedserve.backend.core.config import CacheConfig, SchedulerConfig
+from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 50
 EOS = 0

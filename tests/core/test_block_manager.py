@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from pagedserve.backend.block_manager import BlockManager, FreeBlockQueue, KVCacheBlock, compute_slot_mapping
-from pagedserve.backend.request import Request
+from pagedserve.backend.core.block_manager import (
+    BlockManager,
+    FreeBlockQueue,
+    KVCacheBlock,
+    compute_slot_mapping,
+)
+from pagedserve.backend.core.request import Request
 
 BS = 4
 

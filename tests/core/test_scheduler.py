@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pagedserve.backend.errors import InvalidRequestError, ServerBusyError
-from pagedserve.backend.request import Request, RequestStatus
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.errors import InvalidRequestError, ServerBusyError
+from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.sampling_params import SamplingParams
 
 
 def prompt(seed: int, length: int) -> list[int]:

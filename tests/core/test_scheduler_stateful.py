@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from pagedserve.backend.request import RequestStatus
+from pagedserve.backend.core.request import RequestStatus
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [3, 3, 3, 3, 3, 3]]
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from pagedserve.backend.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedserve.backend.errors import InvalidRequestError
-from pagedserve.backend.request import Request, RequestStatus
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -65,9 +65,10 @@ def test_only_the_layers_in_a_dtype_this_cpu_packs_are_replaced(monkeypatch):
 @pytest.mark.parametrize("fast_bf16", [True, False])
 def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_only_where_this_cpu_has_a_fast_bf16_matmul(
         tmp_path_factory, monkeypatch, fast_bf16):
-    from pagedserve.backend import model_runner
-    from pagedserve.backend.engine import LLMEngine
-    from pagedserve.backend.testing import make_tiny_model
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+    from pagedserve.backend.worker import model_runner
+
+    from pagedserve.testing import make_tiny_model
 
     path = str(make_tiny_model(tmp_path_factory.mktemp("bf16-llama"), "llama", dtype="bfloat16"))
     # Both kinds of CPU, whichever this one is: without AVX-512 bf16 linears ran 1.3-8x slower than fp32.

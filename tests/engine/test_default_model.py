@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pagedserve.backend import default_model
-from pagedserve.backend.default_model import (
+from pagedserve.backend.worker import default_model
+from pagedserve.backend.worker.default_model import (
     MODEL_NAME,
     default_model_dir,
     ensure_default_model,
@@ -52,8 +52,8 @@ def test_missing_wheel_gives_an_install_hint(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_default_model_answers_through_the_engine():
-    from pagedserve.backend.engine import LLMEngine
-    from pagedserve.backend.sampling_params import SamplingParams
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
 
     path = ensure_default_model()
     assert Path(path, "model.safetensors").is_file()

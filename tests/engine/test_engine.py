@@ -6,11 +6,12 @@ import json
 import shutil
 
 import pytest
-from pagedserve.backend.engine import LLMEngine
-from pagedserve.backend.errors import InvalidRequestError
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import UnsupportedModelError
-from pagedserve.backend.sampling_params import SamplingParams
-from pagedserve.backend.testing import copy_with_bos_tokenizer
+
+from pagedserve.testing import copy_with_bos_tokenizer
 
 PROMPT = "The quick brown fox"
 
@@ -315,7 +316,7 @@ def test_stop_strings_count_only_from_min_tokens_on(engine):
 def test_kv_cache_is_sized_from_the_memory_budget_and_logged(tiny_llama_path, caplog):
     # tiny llama: 2 layers, 2 KV heads of 16 dims; fp32 K and V: 2 * 2 * 16 * 2 * 16 * 4 = 8 KiB per block.
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
-    with caplog.at_level("INFO", logger="pagedserve.backend.model_runner"):
+    with caplog.at_level("INFO", logger="pagedserve.backend.worker.model_runner"):
         engine = LLMEngine.from_pretrained(
             str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory_bytes=37 * block_bytes + 5
         )

@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from pagedserve.backend.engine import LLMEngine
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
 
 PROMPT_LENGTHS = [5, 9, 14, 22, 31, 40, 52, 70]
 SUBMIT_AT_STEP = [0, 0, 1, 2, 3, 5, 8, 12]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.backend.engine import LLMEngine
-from pagedserve.backend.errors import InvalidRequestError
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
 
 PROMPTS = [list(range(40, 63)), list(range(100, 117)), list(range(200, 230))]
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from pagedserve.backend.request import Request
-from pagedserve.backend.sampler import Sampler, apply_penalties, compute_logprobs
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.request import Request
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.worker.sampler import Sampler, apply_penalties, compute_logprobs
 
 VOCAB = 64
 EOS = 63

@@ -6,7 +6,14 @@ import pytest
 import torch
 from pagedserve.kernels import attention_cpu, cpu_native, ops, reference
 
-from .test_paged_attention import BF16_TOL, DECODES, FP32_TOL, MIXED, make_batch, per_sequence_attention
+from .test_paged_attention import (
+    BF16_TOL,
+    DECODES,
+    FP32_TOL,
+    MIXED,
+    make_batch,
+    per_sequence_attention,
+)
 
 needs_native = pytest.mark.skipif(cpu_native.load() is None, reason="no C++ compiler for the native kernel")
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from pagedserve.backend.engine import LLMEngine
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.kernels import attention_triton
 
 PROMPTS = [[5, 17, 33, 90, 41, 7, 250, 3, 64], [12, 8, 300, 77, 19, 45, 101, 6, 222, 13, 58, 91, 140, 2, 31]]

@@ -12,9 +12,9 @@ import json
 import httpx
 import numpy as np
 import pytest
-from pagedserve.backend.engine import LLMEngine
-from pagedserve.backend.errors import InvalidRequestError
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 

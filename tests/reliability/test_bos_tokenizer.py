@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pagedserve.backend.testing import copy_with_bos_tokenizer
 from pagedserve.client.launcher import openai_shim_running
+
+from pagedserve.testing import copy_with_bos_tokenizer
 
 pytestmark = pytest.mark.slow
 

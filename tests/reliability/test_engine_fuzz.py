@@ -9,9 +9,9 @@ import math
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pagedserve.backend.engine import LLMEngine
-from pagedserve.backend.errors import InvalidRequestError
-from pagedserve.backend.sampling_params import SamplingParams
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
 
 MAX_STEPS = 400  # far more than any accepted request needs at max_model_len 48; a liveness bound
 

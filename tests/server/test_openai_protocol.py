@@ -170,7 +170,7 @@ def test_chat_messages_flatten_text_parts_and_map_developer_to_system():
 
 
 def test_chat_template_renders_like_transformers(tmp_path):
-    from pagedserve.backend.testing import build_tokenizer
+    from pagedserve.testing import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(tmp_path)

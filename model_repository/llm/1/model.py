@@ -1,5 +1,5 @@
 """The `llm` model: pagedserve's engine behind Triton's decoupled Python backend."""
 
-from pagedserve.backend.triton_model import TritonPythonModel
+from pagedserve.backend.triton.llm_model import TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-from .detokenizer import detokenize_incrementally, initial_offsets
-from .errors import ShuttingDownError
-from .triton_metrics import EngineMetrics
-from .triton_utils import LLMRequestInputs, error_response, parse_llm_request, string_tensor
+from pagedserve.backend.core.errors import ShuttingDownError
+from pagedserve.backend.engine.detokenizer import detokenize_incrementally, initial_offsets
+from pagedserve.backend.triton.metrics import EngineMetrics
+from pagedserve.backend.triton.utils import LLMRequestInputs, error_response, parse_llm_request, string_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Cancellation polling. is_cancelled() is a round trip to the server process, one per in-flight request, made
@@ -313,11 +312,11 @@ class TritonPythonModel:
     def _engine_main(self) -> None:
         """Load the engine, report back to initialize(), then run the loop until _STOP."""
         try:
-            from .engine import LLMEngine
+            from pagedserve.backend.engine.llm_engine import LLMEngine
 
             model = self._model_path
             if not model:
-                from .default_model import ensure_default_model
+                from pagedserve.backend.worker.default_model import ensure_default_model
 
                 model = str(ensure_default_model())
             self._engine = LLMEngine.from_pretrained(model, **self._engine_kwargs)

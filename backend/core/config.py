@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import InvalidRequestError
+from pagedserve.backend.core.errors import InvalidRequestError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BLOCK_SIZE = 256

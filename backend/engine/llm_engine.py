@@ -15,17 +15,17 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .beam_search import BeamGroup
-from .config import CacheConfig, ModelConfig, SchedulerConfig
-from .errors import InvalidRequestError
-from .model import ModelArchConfig, load_eos_token_ids, load_tokenizer
-from .model_runner import ModelRunner, ModelRunnerOutput
-from .outputs import EngineStats, RequestOutput
-from .request import Request, RequestStatus
-from .request_group import RequestGroup, SequenceState
-from .sampler import Sampler, SamplerOutput, compute_logprobs
-from .sampling_params import MAX_SEED, SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.outputs import EngineStats, RequestOutput
+from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.sampling_params import MAX_SEED, SamplingParams
+from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.backend.engine.beam_search import BeamGroup
+from pagedserve.backend.engine.request_group import RequestGroup, SequenceState
+from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
+from pagedserve.backend.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.backend.worker.sampler import Sampler, SamplerOutput, compute_logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,14 @@ from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-from .detokenizer import detokenize_incrementally
-from .errors import INTERNAL_ERROR_PREFIX, InvalidRequestError, ServerBusyError, ShuttingDownError
-from .sampling_params import SamplingParams
+from pagedserve.backend.core.errors import (
+    INTERNAL_ERROR_PREFIX,
+    InvalidRequestError,
+    ServerBusyError,
+    ShuttingDownError,
+)
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.detokenizer import detokenize_incrementally
 
 # KServe request parameters that Triton or its clients set for themselves, not sampling settings.
 _RESERVED_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers"}
@@ -170,7 +174,7 @@ def _load_tokenizer(args: dict) -> Any:
     config = json.loads(args["model_config"])
     path = config.get("parameters", {}).get("tokenizer", {}).get("string_value", "")
     if not path:
-        from .default_model import ensure_default_model
+        from pagedserve.backend.worker.default_model import ensure_default_model
 
         path = str(ensure_default_model())
     return AutoTokenizer.from_pretrained(path)

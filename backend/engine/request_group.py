@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, RequestOutput
-from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
+from pagedserve.backend.core.outputs import CompletionOutput, RequestOutput
+from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.detokenizer import IncrementalDetokenizer
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .errors import InvalidRequestError
+from pagedserve.backend.core.errors import InvalidRequestError
 
 MAX_N = 64
 MAX_LOGPROBS = 20

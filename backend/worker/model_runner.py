@@ -8,14 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
+from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
+from pagedserve.backend.worker.attention import AttentionMetadata
 from pagedserve.kernels import ops
 
 import pagedserve
-
-from .attention import AttentionMetadata
-from .config import CacheConfig, ModelConfig, SchedulerConfig
-from .model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
-from .model.cpu_linear import can_prepack, prepack_linears
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from .outputs import CompletionOutput, RequestOutput
-from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
+from pagedserve.backend.core.outputs import CompletionOutput, RequestOutput
+from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -6,10 +6,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .config import CacheConfig, SchedulerConfig
-from .errors import InvalidRequestError, ServerBusyError
-from .request import Request, RequestStatus
+from pagedserve.backend.core.block_manager import BlockManager
+from pagedserve.backend.core.config import CacheConfig, SchedulerConfig
+from pagedserve.backend.core.errors import InvalidRequestError, ServerBusyError
+from pagedserve.backend.core.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 
