@@ -1,5 +1,5 @@
 """The ensemble's detokenizing step."""
 
-from pagedserve.backend.triton.utils import PostprocessingModel as TritonPythonModel
+from pagedserve.backend.triton.ensemble import PostprocessingModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

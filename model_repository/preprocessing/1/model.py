@@ -1,5 +1,5 @@
 """The ensemble's tokenizing step."""
 
-from pagedserve.backend.triton.utils import PreprocessingModel as TritonPythonModel
+from pagedserve.backend.triton.ensemble import PreprocessingModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]
