@@ -94,13 +94,6 @@ def hash_block_tokens(
     return h.digest()
 
 
-def compute_slot_mapping(block_ids: Sequence[int], block_size: int, start: int, num_tokens: int) -> list[int]:
-    """Cache slot of each token at positions start .. start+num_tokens-1."""
-    return [
-        block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)
-    ]
-
-
 class BlockManager:
     """Owns every KV block: allocation, ref counts, prefix cache and copy-on-write for forks."""
 

@@ -26,7 +26,7 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -56,8 +56,6 @@ class Request:
         "block_hashes",
         "num_cached_tokens",
         "group_id",
-        "paused",
-        "stop_reason",
     )
 
     def __init__(
@@ -89,8 +87,6 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1
         self.group_id = group_id
-        self.paused = False
-        self.stop_reason: int | str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +111,7 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         """OpenAI-style reason ("stop", "length", "abort", "error"), None while unfinished."""
-        return _FINISH_REASONS.get(self.status)
+        return FINISH_REASONS.get(self.status)
 
     def append_output_token_id(self, token_id: int) -> None:
         """Append one generated token, keeping `all_token_ids` in step."""

@@ -67,7 +67,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        """Requests holding KV blocks (paused ones included)."""
+        """Requests holding KV blocks."""
         return len(self.requests) - self._num_waiting
 
     @property
@@ -226,7 +226,7 @@ class Scheduler:
             num_new = len(request.all_token_ids) - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
-            if request.paused or num_new <= 0:
+            if num_new <= 0:
                 index += 1
                 continue
             new_block_ids = allocate_slots(request, num_new)
@@ -259,9 +259,7 @@ class Scheduler:
             if self.running and occupied + seqs > max_seqs:
                 break
             hits, num_hit_tokens = bm.get_computed_blocks(request)
-            # A paused request recomputes its history but must not sample until it is resumed.
-            target = request.num_tokens - 1 if request.paused else request.num_tokens
-            num_new = min(max(target - num_hit_tokens, 0), budget)
+            num_new = min(max(request.num_tokens - num_hit_tokens, 0), budget)
             new_block_ids = bm.allocate_slots(request, num_new, hits, num_hit_tokens)
             if new_block_ids is None:
                 break

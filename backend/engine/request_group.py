@@ -5,16 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.backend.core.outputs import CompletionOutput, RequestOutput
-from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.request import FINISH_REASONS, Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.detokenizer import IncrementalDetokenizer
-
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
 
 
 class SequenceState:
@@ -57,7 +50,7 @@ class SequenceState:
 
     def finish(self, status: RequestStatus) -> None:
         """Mark finished; the detokenizer releases any text it held back."""
-        self.finish_reason = _FINISH_REASONS[status]
+        self.finish_reason = FINISH_REASONS[status]
         self.detokenizer.finish()
 
     def completion(self) -> CompletionOutput:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from pagedserve.backend.core.block_manager import compute_slot_mapping
 from pagedserve.backend.core.config import CacheConfig, SchedulerConfig
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
@@ -11,6 +10,11 @@ from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 50
 EOS = 0
+
+
+def compute_slot_mapping(block_ids, block_size: int, start: int, num_tokens: int) -> list[int]:
+    """Cache slot of each token at positions start .. start+num_tokens-1 (the runner's rule, for the fake KV)."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
 
 
 def next_token(context: list[int]) -> int:

@@ -6,7 +6,6 @@ from pagedserve.backend.core.block_manager import (
     BlockManager,
     FreeBlockQueue,
     KVCacheBlock,
-    compute_slot_mapping,
 )
 from pagedserve.backend.core.request import Request
 
@@ -46,10 +45,6 @@ def test_allocation_takes_blocks_in_free_queue_order():
     assert compute(bm, b) == [3]
     assert bm.free_queue.block_ids() == [4, 5, 6, 7, 8, 9, 10]
     assert bm.get_block_table("a") == [0, 1, 2]
-
-
-def test_slot_mapping_follows_the_block_table():
-    assert compute_slot_mapping([5, 2], BS, 3, 3) == [5 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
 
 
 def test_freed_uncached_blocks_are_reused_first_in_table_order():

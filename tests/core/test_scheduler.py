@@ -155,14 +155,13 @@ def _put_victim_in(runner, state: str) -> Request:
         return victim
     runner.add("a", prompt(1, 7), 8)
     victim = runner.add("victim", prompt(2, 7), 1 if state == "finished" else 8)
-    steps = {"running": 1, "paused": 1, "finished": 1, "preempted": 3}[state]
+    steps = {"running": 1, "finished": 1, "preempted": 3}[state]
     for _ in range(steps):
         runner.step()
-    victim.paused = state == "paused"
     return victim
 
 
-@pytest.mark.parametrize("state", ["waiting", "prefilling", "running", "preempted", "paused", "finished"])
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "running", "preempted", "finished"])
 def test_abort_in_any_state_frees_everything(runner_factory, state):
     budget = 8 if state == "prefilling" else 16
     runner = runner_factory(num_blocks=4, block_size=4, max_num_batched_tokens=budget, max_model_len=16)
@@ -173,7 +172,6 @@ def test_abort_in_any_state_frees_everything(runner_factory, state):
         "prefilling": RequestStatus.RUNNING,
         "running": RequestStatus.RUNNING,
         "preempted": RequestStatus.PREEMPTED,
-        "paused": RequestStatus.RUNNING,
         "finished": RequestStatus.FINISHED_LENGTH,
     }[state]
     assert victim.status == expected
@@ -199,44 +197,6 @@ def test_finished_ids_are_reported_once_at_the_next_schedule(runner_factory):
     runner.step()
     assert runner.scheduler.schedule().finished_ids == ["a"]
     assert runner.scheduler.schedule().finished_ids == []
-
-
-def test_paused_request_keeps_its_blocks_but_is_not_scheduled(runner_factory):
-    runner = runner_factory(num_blocks=16)
-    a = runner.add("a", prompt(1, 5), 10)
-    runner.add("b", prompt(2, 5), 10)
-    runner.step()
-    a.paused = True
-    for _ in range(3):
-        out = runner.step()
-        assert [s.request.request_id for s in out.scheduled] == ["b"]
-    assert runner.scheduler.block_manager.get_block_table("a") == [0, 1]
-    a.paused = False
-    assert "a" in [s.request.request_id for s in runner.step().scheduled]
-
-
-def test_preempted_paused_request_recomputes_but_does_not_sample_until_resumed(runner_factory):
-    runner = runner_factory(num_blocks=4, block_size=4, max_model_len=16)
-    sched = runner.scheduler
-    a = runner.add("a", prompt(1, 7), 9)
-    b = runner.add("b", prompt(2, 7), 9)
-    runner.step()
-    runner.step()
-    runner.step()  # a needs a third block: b is preempted
-    assert b.status == RequestStatus.PREEMPTED
-    b.paused = True
-    sched.abort("a")
-    out = runner.step()
-    (sched_b,) = out.scheduled
-    # Its first block survived in the prefix cache; the rest is recomputed, short of the last token.
-    assert sched_b.num_computed_tokens == 4
-    assert sched_b.num_computed_tokens + sched_b.num_scheduled_tokens == b.num_tokens - 1
-    assert not sched_b.sample
-    assert runner.step().scheduled == []
-    b.paused = False
-    (sched_b,) = runner.step().scheduled
-    assert sched_b.num_scheduled_tokens == 1 and sched_b.sample
-    assert a.num_output_tokens == 3
 
 
 def test_forked_children_share_blocks_and_generate_independently(runner_factory, alone):

@@ -78,14 +78,6 @@ def make_machine(runner_factory, alone):
             forced = list(child.output_token_ids)
             self.expected[child_id] = alone(child.prompt_token_ids, child.max_tokens, forced=forced)
 
-        @precondition(
-            lambda self: any(r.status == RequestStatus.RUNNING for r in self.sched.requests.values())
-        )
-        @rule(data=st.data())
-        def toggle_pause(self, data):
-            request = self.sched.get_request(data.draw(st.sampled_from(self._ids(RequestStatus.RUNNING))))
-            request.paused = not request.paused
-
         @rule()
         def reset_prefix_cache(self):
             self.sched.reset_prefix_cache()
@@ -125,8 +117,6 @@ def make_machine(runner_factory, alone):
         def teardown(self):
             if not hasattr(self, "runner"):
                 return
-            for request in self.sched.requests.values():
-                request.paused = False
             outputs = self.runner.run(max_steps=2000)
             assert self.sched.block_manager.num_free_blocks == self.sched.block_manager.num_blocks
             for request_id, tokens in outputs.items():
