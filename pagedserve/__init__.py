@@ -3,10 +3,9 @@
 import os
 import sys
 
-# OpenMP workers that spin while waiting turn a shared or oversubscribed CPU into a 100x slowdown of small
-# kernels (measured: one 576-wide decode attention went from 34 us to 13 ms with two spinning threads under
-# load). libgomp reads this once, when torch loads, so it is set before anything here imports torch. When
-# torch was loaded first it is too late; the CPU model runner then keeps to one intra-op thread.
+# OpenMP workers that spin while waiting stall small kernels on a shared or oversubscribed CPU (figures in
+# docs/benchmarks.md). libgomp reads this once, when torch loads, so it is set before anything here imports
+# torch. When torch was loaded first it is too late; the CPU model runner then keeps to one intra-op thread.
 OPENMP_MAY_SPIN = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

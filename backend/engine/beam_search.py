@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from pagedserve.backend.core.outputs import CompletionOutput, RequestOutput
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.core.scheduler import Scheduler
+from pagedserve.backend.engine.request_group import RequestGroup, StepBatch
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ class BeamSearch:
         return running, not (running and self._improvable)
 
 
-class BeamGroup:
+class BeamGroup(RequestGroup):
     """A user request decoded by beam search; returns its best `n` hypotheses once, at the end."""
 
     def __init__(
@@ -123,12 +124,22 @@ class BeamGroup:
         """True once the search ended (or the request was aborted or failed)."""
         return self.finish_reason is not None
 
-    def add_logits(self, request_id: str, logits: torch.Tensor) -> bool:
-        """Store a beam's next-token logits [V]; True once every live beam has them."""
-        self._rows[request_id] = torch.log_softmax(logits.float(), dim=-1)
-        return all(r.request_id in self._rows for r in self.live)
+    def sequence_ids(self) -> list[str]:
+        return [r.request_id for r in self.live]
 
-    def advance(self, scheduler: Any) -> list[str]:
+    def take_logits(self, request_id: str, row: int, logits: torch.Tensor, batch: StepBatch) -> None:
+        """Store a beam's next-token logits [V]; the group is ready once every live beam has them."""
+        self._rows[request_id] = torch.log_softmax(logits.float(), dim=-1)
+        if all(r.request_id in self._rows for r in self.live):
+            batch.ready_beams[self.request_id] = self
+
+    def record_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+        """Never called: prompt logprobs are refused with beam search (input_processing.check_params)."""
+
+    def stalled_running(self) -> list[Request]:
+        return [r for r in self.live if r.status == RequestStatus.RUNNING]
+
+    def advance(self, scheduler: Scheduler) -> list[str]:
         """Run one beam step over the stored logits: fork, extend and drop beams through the scheduler.
 
         Returns the request ids of beams that ended (the caller finishes them in the scheduler).
@@ -159,7 +170,7 @@ class BeamGroup:
         self.scores = [c.score for c in running]
         return dropped
 
-    def _fork(self, scheduler: Any, parent: Request) -> Request:
+    def _fork(self, scheduler: Scheduler, parent: Request) -> Request:
         """A new beam sharing the parent's blocks; the copy of a parent whose KV is incomplete (preempted) recomputes."""
         self._num_forks += 1
         child_id = f"{self.request_id}#beam{self._num_forks}"

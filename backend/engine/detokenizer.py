@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Protocol
 
 # Decoding starts this many prompt tokens back so the first output token gets its leading space
 # (SentencePiece-style decoders drop it on a lone token) and merges with a split character.
@@ -11,8 +11,16 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+class Tokenizer(Protocol):
+    """What the engine uses of a Hugging Face tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
 def detokenize_incrementally(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     all_token_ids: Sequence[int],
     prefix_offset: int,
     read_offset: int,
@@ -37,7 +45,7 @@ def initial_offsets(num_prompt_tokens: int) -> tuple[int, int]:
     return max(num_prompt_tokens - _CONTEXT_TOKENS, 0), num_prompt_tokens
 
 
-def _flush(tokenizer: Any, all_token_ids: Sequence[int], prefix_offset: int, read_offset: int,
+def _flush(tokenizer: Tokenizer, all_token_ids: Sequence[int], prefix_offset: int, read_offset: int,
            skip_special_tokens: bool) -> str:
     """Whatever the undecoded tail holds, incomplete characters included (as U+FFFD)."""
     prefix_text = tokenizer.decode(all_token_ids[prefix_offset:read_offset],
@@ -55,7 +63,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,

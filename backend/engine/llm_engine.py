@@ -6,7 +6,6 @@ Not thread-safe: one thread drives add_request / abort_request / step.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import gc
 import itertools
@@ -19,13 +18,14 @@ from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerCo
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.outputs import EngineStats, RequestOutput
 from pagedserve.backend.core.request import Request, RequestStatus
-from pagedserve.backend.core.sampling_params import MAX_SEED, SamplingParams
+from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.beam_search import BeamGroup
-from pagedserve.backend.engine.request_group import RequestGroup, SequenceState
+from pagedserve.backend.engine.input_processing import check_beams_fit, check_params, resolve_prompt
+from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
 from pagedserve.backend.worker.model_runner import ModelRunner, ModelRunnerOutput
-from pagedserve.backend.worker.sampler import Sampler, SamplerOutput, compute_logprobs
+from pagedserve.backend.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ _CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
 }
 
 FaultInjector = Callable[[SchedulerOutput], None]
-Group = RequestGroup | BeamGroup
 
 
 @functools.cache
@@ -70,10 +69,9 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         # Test hook: called with the SchedulerOutput before each forward; raising fails that step's requests.
         self.fault_injector: FaultInjector | None = None
-        self._groups: dict[str, Group] = {}
-        self._seq_of: dict[str, tuple[RequestGroup, SequenceState]] = {}
-        self._beam_of: dict[str, BeamGroup] = {}
-        self._to_report: dict[str, Group] = {}
+        self._groups: dict[str, RequestGroup] = {}  # by user request id
+        self._owner: dict[str, RequestGroup] = {}  # by scheduler request id: the group it belongs to
+        self._to_report: dict[str, RequestGroup] = {}  # touched since the last step's outputs
         self._id_counter = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -122,26 +120,16 @@ class LLMEngine:
         for a prompt rendered from a chat template, which has them already (as vLLM's chat API does)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
-        if request_id in self._groups or request_id in self._seq_of or request_id in self._beam_of:
+        if request_id in self._groups or request_id in self._owner:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"params must be a SamplingParams, got {type(params).__name__}", "sampling_parameters"
             )
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids, add_special_tokens)
-        width, field = (params.beam_width, "beam_width") if params.beam_width > 1 else (params.n, "n")
-        if width > self.scheduler_config.max_num_seqs:
-            # Its sequences all run at once (they fork at the first token).
-            raise InvalidRequestError(
-                f"{field} must be <= max_num_seqs ({self.scheduler_config.max_num_seqs}), got {width}", field
-            )
-        if params.beam_width > 1:
-            for name in ("stop", "prompt_logprobs"):
-                if getattr(params, name):
-                    raise InvalidRequestError(
-                        f"{name} is not supported with beam search (beam_width > 1)", name
-                    )
+        token_ids = resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids,
+                                     add_special_tokens)
+        check_params(params, self.scheduler_config.max_num_seqs)
         salt = None
         if params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so such a request never hits the cache.
@@ -150,57 +138,17 @@ class LLMEngine:
             request_id, token_ids, params, arrival_time=arrival_time, cache_salt=salt, group_id=request_id
         )
         self.scheduler.add_request(request)
+        group: RequestGroup
         if params.beam_width > 1:
-            self._check_beams_fit(request)
-            beam = BeamGroup(request_id, prompt, request, params, self.eos_token_ids, self._decode)
-            self._groups[request_id] = self._beam_of[request_id] = beam
-            return
-        group = RequestGroup(request_id, prompt, params, self._new_sequence(0, request))
-        self._groups[request_id] = group
-        self._seq_of[request_id] = (group, group.seqs[0])
-
-    def _check_beams_fit(self, request: Request) -> None:
-        """All beams live at once, so the pool must hold the shared prompt plus every beam's own tail."""
-        block_size = self.cache_config.block_size
-        shared = request.num_prompt_tokens // block_size
-        per_beam = -(-(request.num_prompt_tokens + request.max_tokens) // block_size) - shared
-        needed = shared + request.sampling_params.beam_width * per_beam
-        if needed > self.runner.num_blocks:
-            self.scheduler.abort(request.request_id)
-            raise InvalidRequestError(
-                f"beam_width {request.sampling_params.beam_width} with max_tokens {request.max_tokens} needs "
-                f"{needed} KV blocks, more than the whole cache ({self.runner.num_blocks} blocks)",
-                "beam_width",
-            )
-
-    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                          add_special_tokens: bool = True) -> list[int]:
-        """The prompt's token ids, from the ids when given, else by tokenizing the text."""
-        if prompt_token_ids is not None:
-            if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-                raise InvalidRequestError(
-                    "prompt_token_ids must be a non-empty list of token ids", "prompt_token_ids"
-                )
-            for tok in prompt_token_ids:
-                if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
-                    raise InvalidRequestError(
-                        f"prompt_token_ids entries must be integers in [0, {self.vocab_size}), got {tok!r}",
-                        "prompt_token_ids",
-                    )
-            return list(prompt_token_ids)
-        if prompt is None:
-            raise InvalidRequestError("one of prompt or prompt_token_ids is required", "prompt")
-        if not isinstance(prompt, str):
-            raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", "prompt")
-        if not prompt:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not token_ids:
-            raise InvalidRequestError("prompt tokenizes to no tokens", "prompt")
-        return token_ids
-
-    def _new_sequence(self, index: int, request: Request) -> SequenceState:
-        return SequenceState(index, request, self.tokenizer, request.sampling_params)
+            try:
+                check_beams_fit(request, self.cache_config, self.runner.num_blocks)
+            except InvalidRequestError:
+                self.scheduler.abort(request_id)
+                raise
+            group = BeamGroup(request_id, prompt, request, params, self.eos_token_ids, self._decode)
+        else:
+            group = SamplingGroup(request_id, prompt, request, self.tokenizer, self._unused_id)
+        self._groups[request_id] = self._owner[request_id] = group
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -230,7 +178,7 @@ class LLMEngine:
                 self._fail_step(sched, f"{type(exc).__name__}: {exc}")
         else:
             self.scheduler.update_from_output(sched, {})
-            if self.scheduler.num_waiting and self._beam_of:
+            if self.scheduler.num_waiting:
                 self._release_stalled_beams()
         return self._collect_outputs()
 
@@ -239,13 +187,11 @@ class LLMEngine:
 
         The newest such beam group gives its blocks back; its beams recompute once readmitted.
         """
-        holding = {
-            id(g): g for g in self._beam_of.values() if any(r.status == RequestStatus.RUNNING for r in g.live)
-        }
+        holding = [g for g in self._groups.values() if g.stalled_running()]
         if not holding:
             return
-        group = max(holding.values(), key=lambda g: g.arrival_time)
-        running = [r for r in group.live if r.status == RequestStatus.RUNNING]
+        group = max(holding, key=lambda g: g.arrival_time)
+        running = group.stalled_running()
         logger.info(
             "beam group %s releases %d beams' blocks to break a stall", group.request_id, len(running)
         )
@@ -255,72 +201,42 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         """Sample, advance the scheduler, fork n>1 children, step beam searches, apply stop conditions."""
-        self._record_prompt_logprobs(runner_out)
-        rows: list[int] = []
-        requests: list[Request] = []
-        children: list[tuple[RequestGroup, Request]] = []
-        ready_beams: dict[str, BeamGroup] = {}
+        for rid, (start, logits) in runner_out.prompt_logits.items():
+            self._owner[rid].record_prompt_logits(rid, start, logits)
+        batch = StepBatch()
         for row, rid in enumerate(runner_out.sample_request_ids):
-            beam = self._beam_of.get(rid)
-            if beam is not None:
-                if beam.add_logits(rid, runner_out.sample_logits[row]):
-                    ready_beams[beam.request_id] = beam
-                continue
-            group, seq = self._seq_of[rid]
-            rows.append(row)
-            requests.append(seq.request)
-            if group.num_pending_forks and seq.index == 0:
-                for child in self._make_children(group):
-                    children.append((group, child))
-                    requests.append(child)
-                    rows.append(row)
+            self._owner[rid].take_logits(rid, row, runner_out.sample_logits[row], batch)
         logits = runner_out.sample_logits
-        if rows != list(range(logits.shape[0])):  # the usual case needs no copy of the [R, V] logits
-            logits = logits[rows]
-        sampled = self.sampler(logits, requests) if requests else None
+        if batch.rows != list(range(logits.shape[0])):  # the usual case needs no copy of the [R, V] logits
+            logits = logits[batch.rows]
+        sampled = self.sampler(logits, batch.requests) if batch.requests else None
         tokens = (
             {}
             if sampled is None
-            else dict(zip((r.request_id for r in requests), sampled.token_ids, strict=True))
+            else dict(zip((r.request_id for r in batch.requests), sampled.token_ids, strict=True))
         )
         self.scheduler.update_from_output(sched, tokens)
-        for group, child in children:
+        for group, child in batch.forks:
             self.scheduler.fork_request(group.seqs[0].request.request_id, child)
             child.append_output_token_id(tokens[child.request_id])
-            seq = self._new_sequence(len(group.seqs), child)
-            group.seqs.append(seq)
-            group.num_pending_forks -= 1
-            self._seq_of[child.request_id] = (group, seq)
+            group.adopt(child)
+            self._owner[child.request_id] = group
         if sampled is not None:
-            self._apply_tokens(requests, sampled)
-        for beam in ready_beams.values():
+            self._apply_tokens(batch, sampled)
+        for beam in batch.ready_beams.values():
             self._advance_beam(beam)
-
-    def _make_children(self, group: RequestGroup) -> list[Request]:
-        """The n-1 sibling Requests of a group whose prompt is now computed; seeds are offset per index."""
-        parent = group.seqs[0].request
-        children = []
-        for index in range(1, 1 + group.num_pending_forks):
-            params = group.params
-            if params.seed is not None:
-                params = dataclasses.replace(params, seed=(params.seed + index) % MAX_SEED)
-            child_id = self._unused_id(f"{group.request_id}#{index}")
-            children.append(Request(child_id, parent.prompt_token_ids, params, group_id=group.request_id))
-        return children
 
     def _unused_id(self, request_id: str) -> str:
         """`request_id`, suffixed until no user request or sequence holds it."""
-        while (
-            request_id in self._groups or request_id in self._seq_of or self.scheduler.get_request(request_id)
-        ):
+        while request_id in self._groups or request_id in self._owner or self.scheduler.get_request(request_id):
             request_id += "'"
         return request_id
 
-    def _apply_tokens(self, requests: list[Request], sampled: SamplerOutput) -> None:
+    def _apply_tokens(self, batch: StepBatch, sampled: SamplerOutput) -> None:
         """Record each sampled token and finish the sequences it stops."""
         finished: dict[RequestStatus, list[str]] = {}
-        for i, request in enumerate(requests):
-            group, seq = self._seq_of[request.request_id]
+        for i, (group, request) in enumerate(zip(batch.groups, batch.requests, strict=True)):
+            seq = group.sequence(request.request_id)
             if seq.index == 0 and request.num_output_tokens == 1:
                 self._prompt_tokens += request.num_prompt_tokens
             self._generation_tokens += 1
@@ -344,24 +260,13 @@ class LLMEngine:
         dropped = beam.advance(self.scheduler)
         self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_STOPPED)
         for rid in dropped:
-            self._beam_of.pop(rid, None)
+            self._owner.pop(rid, None)
         for request in beam.live:
-            self._beam_of[request.request_id] = beam
+            self._owner[request.request_id] = beam
         if beam.finished:
             self._to_report[beam.request_id] = beam
         else:
             self._generation_tokens += len(beam.live)
-
-    def _record_prompt_logprobs(self, runner_out: ModelRunnerOutput) -> None:
-        """Fill prompt logprobs for the prompt rows this step computed."""
-        for rid, (start, logits) in runner_out.prompt_logits.items():
-            group, seq = self._seq_of[rid]
-            if group.prompt_logprobs is None:
-                continue
-            prompt = seq.request.prompt_token_ids
-            targets = prompt[start + 1 : start + 1 + logits.shape[0]]
-            _, tops = compute_logprobs(logits, targets, group.params.prompt_logprobs or 0)
-            group.prompt_logprobs[start + 1 : start + 1 + len(tops)] = tops
 
     def _check_stop(self, seq: SequenceState, stop_token: bool) -> RequestStatus | None:
         """Why this sequence stops after its newest token, if it does: stop string, eos, stop id
@@ -397,7 +302,7 @@ class LLMEngine:
                 self._end_group(group, RequestStatus.FINISHED_ERROR, error)
         self.scheduler.update_from_output(sched, {})
 
-    def _end_group(self, group: Group, status: RequestStatus, error: str | None = None) -> None:
+    def _end_group(self, group: RequestGroup, status: RequestStatus, error: str | None = None) -> None:
         """Abort or fail every unfinished sequence of a user request; it reports on the next step."""
         self.scheduler.finish_requests(group.end(status, error), status)
         self._to_report[group.request_id] = group
@@ -413,15 +318,11 @@ class LLMEngine:
         self._to_report.clear()
         return outputs
 
-    def _forget(self, group: Group) -> None:
+    def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]
-        if isinstance(group, BeamGroup):
-            for request in group.live:
-                self._beam_of.pop(request.request_id, None)
-            return
-        for seq in group.seqs:
-            self._seq_of.pop(seq.request.request_id, None)
-            self.sampler.free(seq.request.request_id)
+        for request_id in group.sequence_ids():
+            self._owner.pop(request_id, None)
+            self.sampler.free(request_id)
 
     # ------------------------------------------------------------------ offline helpers
 

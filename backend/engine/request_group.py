@@ -1,19 +1,84 @@
-"""Engine-side state of a user request: its returned sequences, their text, logprobs and finish reasons."""
+"""Engine-side state of a user request. `RequestGroup` is what the engine steps: one user request over one
+or more scheduler Requests. `SamplingGroup` samples n sequences (the first forks into the rest once the
+prompt is computed); `BeamGroup` (beam_search.py) runs beam search. The engine sees only this interface."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import torch
 from pagedserve.backend.core.outputs import CompletionOutput, RequestOutput
 from pagedserve.backend.core.request import FINISH_REASONS, Request, RequestStatus
-from pagedserve.backend.core.sampling_params import SamplingParams
-from pagedserve.backend.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.backend.core.sampling_params import MAX_SEED, SamplingParams
+from pagedserve.backend.engine.detokenizer import IncrementalDetokenizer, Tokenizer
+from pagedserve.backend.worker.sampler import compute_logprobs
+
+if TYPE_CHECKING:
+    from pagedserve.backend.engine.beam_search import BeamGroup
+
+
+@dataclass
+class StepBatch:
+    """What one step's sample rows ask for, gathered from their groups in row order."""
+
+    rows: list[int] = field(default_factory=list)  # logits rows to sample, one per request below
+    requests: list[Request] = field(default_factory=list)
+    groups: list[SamplingGroup] = field(default_factory=list)  # the group of each request
+    forks: list[tuple[SamplingGroup, Request]] = field(default_factory=list)  # children sampled from a row
+    ready_beams: dict[str, BeamGroup] = field(default_factory=dict)  # beam groups whose beams all have logits
+
+    def sample(self, row: int, group: SamplingGroup, request: Request) -> None:
+        self.rows.append(row)
+        self.requests.append(request)
+        self.groups.append(group)
+
+
+class RequestGroup(ABC):
+    """One user request as the engine steps it."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    arrival_time: float
+
+    @property
+    @abstractmethod
+    def finished(self) -> bool:
+        """True once nothing of it runs any more."""
+
+    @abstractmethod
+    def sequence_ids(self) -> list[str]:
+        """The scheduler request ids it holds now."""
+
+    @abstractmethod
+    def take_logits(self, request_id: str, row: int, logits: torch.Tensor, batch: StepBatch) -> None:
+        """Claim sample row `row` (next-token logits [V] of `request_id`) for this step."""
+
+    @abstractmethod
+    def end(self, status: RequestStatus, error: str | None = None) -> list[str]:
+        """Abort or fail: finish what still runs; returns the scheduler request ids to finish."""
+
+    @abstractmethod
+    def output(self) -> RequestOutput:
+        """The RequestOutput for this moment."""
+
+    @abstractmethod
+    def record_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+        """Prompt logits [k, V] of `request_id`, scoring prompt tokens start+1 ..."""
+
+    def stalled_running(self) -> list[Request]:
+        """Its running Requests that wait on siblings (holding blocks with nothing to compute)."""
+        return []
 
 
 class SequenceState:
     """One returned sequence: its scheduler Request plus detokenizer, logprobs and what was reported."""
 
-    def __init__(self, index: int, request: Request, tokenizer: Any, params: SamplingParams):
+    def __init__(self, index: int, request: Request, tokenizer: Tokenizer, params: SamplingParams):
         self.index = index
         self.request = request
         self.detokenizer = IncrementalDetokenizer(
@@ -73,18 +138,25 @@ class SequenceState:
         )
 
 
-class RequestGroup:
-    """A user request: its n sequences, the first one forked into the rest once the prompt is computed."""
+class SamplingGroup(RequestGroup):
+    """A user request of n sampled sequences, the first one forked into the rest once the prompt is computed.
 
-    def __init__(self, request_id: str, prompt: str | None, params: SamplingParams, first: SequenceState):
+    `unused_id` turns a wanted child id into one no request holds (the engine knows which are taken)."""
+
+    def __init__(self, request_id: str, prompt: str | None, first: Request, tokenizer: Tokenizer,
+                 unused_id: Callable[[str], str]):
         self.request_id = request_id
         self.prompt = prompt
-        self.params = params
-        self.seqs = [first]
-        self.num_pending_forks = params.n - 1
+        self.params = first.sampling_params
+        self.arrival_time = first.arrival_time
+        self._tokenizer = tokenizer
+        self._unused_id = unused_id
+        self.seqs = [SequenceState(0, first, tokenizer, self.params)]
+        self._by_id = {first.request_id: self.seqs[0]}
+        self.num_pending_forks = self.params.n - 1
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * first.request.num_prompt_tokens
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * first.num_prompt_tokens
         self.error: str | None = None
 
     @property
@@ -92,8 +164,50 @@ class RequestGroup:
         """True once every sequence, those still to be forked included, has finished."""
         return self.num_pending_forks == 0 and all(s.finish_reason is not None for s in self.seqs)
 
+    def sequence_ids(self) -> list[str]:
+        return [seq.request.request_id for seq in self.seqs]
+
+    def sequence(self, request_id: str) -> SequenceState:
+        return self._by_id[request_id]
+
+    def take_logits(self, request_id: str, row: int, logits: torch.Tensor, batch: StepBatch) -> None:
+        seq = self._by_id[request_id]
+        batch.sample(row, self, seq.request)
+        if self.num_pending_forks and seq.index == 0:
+            # The children sample from the parent's row: same prompt, same next-token distribution.
+            for child in self._children():
+                batch.forks.append((self, child))
+                batch.sample(row, self, child)
+
+    def _children(self) -> list[Request]:
+        """The n-1 sibling Requests, once the prompt is computed; seeds are offset per index."""
+        parent = self.seqs[0].request
+        children = []
+        for index in range(1, 1 + self.num_pending_forks):
+            params = self.params
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=(params.seed + index) % MAX_SEED)
+            child_id = self._unused_id(f"{self.request_id}#{index}")
+            children.append(Request(child_id, parent.prompt_token_ids, params, group_id=self.request_id))
+        return children
+
+    def adopt(self, child: Request) -> SequenceState:
+        """A forked child becomes the next sequence."""
+        seq = SequenceState(len(self.seqs), child, self._tokenizer, child.sampling_params)
+        self.seqs.append(seq)
+        self._by_id[child.request_id] = seq
+        self.num_pending_forks -= 1
+        return seq
+
+    def record_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+        if self.prompt_logprobs is None:
+            return
+        prompt = self.seqs[0].request.prompt_token_ids
+        targets = prompt[start + 1 : start + 1 + logits.shape[0]]
+        _, tops = compute_logprobs(logits, targets, self.params.prompt_logprobs or 0)
+        self.prompt_logprobs[start + 1 : start + 1 + len(tops)] = tops
+
     def end(self, status: RequestStatus, error: str | None = None) -> list[str]:
-        """Abort or fail: finish every unfinished sequence; returns their request ids."""
         self.num_pending_forks = 0
         self.error = error
         ids = []
@@ -104,7 +218,6 @@ class RequestGroup:
         return ids
 
     def output(self) -> RequestOutput:
-        """The RequestOutput for this moment."""
         first = self.seqs[0].request
         return RequestOutput(
             request_id=self.request_id,

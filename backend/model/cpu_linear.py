@@ -1,9 +1,8 @@
 """Linear layers with their weights prepacked for oneDNN, for the CPU path.
 
 `F.linear` on the CPU lays the weight out for the GEMM kernel again on every call; prepacking once at load
-time skips that. In bf16 the results are bit-identical and a decode step's GEMMs run 1.5-2x faster at a
-few sequences (5-9 % at a hundred or more). In fp32 they run 1.15-1.8x faster; oneDNN sums in another
-order than MKL there (relative differences ~1e-6), which the transformers-parity tests absorb.
+time skips that (figures: docs/benchmarks.md, "Prepacked GEMM weights"). bf16 results are bit-identical;
+in fp32 oneDNN sums in another order than MKL (relative differences ~1e-6), which the parity tests absorb.
 """
 
 from __future__ import annotations

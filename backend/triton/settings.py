@@ -1,5 +1,5 @@
 """The llm model's own settings (config.pbtxt `parameters` beside the engine's) and the timing constants of
-its threads. The measurements behind each default are in docs/benchmarks.md ("The Triton path")."""
+its threads. The measurements behind each default are in docs/benchmarks.md ("Serving through Triton")."""
 
 from __future__ import annotations
 

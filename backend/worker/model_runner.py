@@ -5,16 +5,16 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
 from pagedserve.backend.worker.attention import AttentionMetadata
-from pagedserve.kernels import ops
 
 import pagedserve
+from pagedserve import kernels
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,9 @@ _MALLOC_THRESHOLD_BYTES = 1 << 30
 def _keep_large_allocations_mapped() -> None:
     """Serve large CPU tensors from glibc's heap instead of fresh mmaps, and keep freed memory mapped.
 
-    glibc maps every allocation over 32 MiB anew (the [256, 49k] fp32 logits of a decode step are 50 MB)
-    and the kernel zero-fills its pages on first touch: widening those logits from bf16 took 19 ms, of
-    which 16 were page faults. A CPU engine process reuses the same sizes every step, so the memory is
-    better kept. No-op where the C library is not glibc.
+    glibc maps every allocation over 32 MiB anew (a decode step's fp32 logits are that large) and the kernel
+    zero-fills its pages on first touch, every step (docs/benchmarks.md, "Page faults"). A CPU engine
+    reuses the same sizes every step, so the memory is better kept. No-op where the C library is not glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -89,8 +88,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(model_config.dtype, self.arch)
         if (self.device.type == "cpu" and model_config.dtype == "auto" and self.dtype != torch.float32
                 and not can_prepack(self.dtype)):
-            # Without AVX-512 (or AVX-NE-CONVERT) oneDNN has no half-precision GEMM here: on such a CPU a
-            # SmolLM2 step's linear layers took 1.3x (1 row) to 8x (256 rows) longer in bf16 than in fp32
+            # Without AVX-512 (or AVX-NE-CONVERT) oneDNN has no fast half-precision GEMM: fp32 is faster
             # (`python bench/kernels.py linear`).
             logger.warning("this CPU has no fast %s matmul; dtype 'auto' runs the %s checkpoint in float32 "
                            "(set dtype to keep %s)", self.dtype, self.dtype, self.dtype)
@@ -185,10 +183,10 @@ class ModelRunner:
             rows = min(scheduler_config.max_num_seqs, num_tokens)
             self.model.compute_logits(hidden[:rows])
 
-    def execute(self, scheduler_output: Any) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Apply block copies, run one forward over every scheduled token, return the needed logits."""
         with torch.inference_mode():
-            ops.copy_blocks(self.key_caches, self.value_caches, scheduler_output.block_copies)
+            kernels.copy_blocks(self.key_caches, self.value_caches, scheduler_output.block_copies)
             batch = self._prepare(scheduler_output.scheduled)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             logits = self.model.compute_logits(hidden[batch.logit_rows])
@@ -196,7 +194,7 @@ class ModelRunner:
         prompt_logits = {rid: (start, logits[a:b]) for rid, (start, a, b) in batch.prompt_row_ranges.items()}
         return ModelRunnerOutput(batch.sample_request_ids, logits[:num_sample], prompt_logits)
 
-    def _prepare(self, scheduled: list[Any]) -> _Batch:
+    def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the scheduled chunks into input ids, positions and attention metadata."""
         input_ids: list[int] = []
         q_lens, ctx_lens, tables = [], [], []

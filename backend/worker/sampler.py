@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from pagedserve.kernels import ops
+from pagedserve.backend.core.request import Request
+from pagedserve.backend.core.sampling_params import SamplingParams
+
+from pagedserve import kernels
 
 # Below this temperature the scaled logits overflow; such rows are sampled greedily, as vLLM does.
 _TEMPERATURE_EPS = 1e-5
@@ -63,7 +65,7 @@ class Sampler:
         """Forget the generator of a finished or aborted request (no-op when it has none)."""
         self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Any]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """Sample for every row; one host sync at the end."""
         # logits: [R, V]
         if logits.shape[0] != len(requests):
@@ -95,13 +97,13 @@ class Sampler:
                 have_lse[rows[j]] = True
         missing = [i for i, ok in enumerate(have_lse) if not ok]
         if missing:
-            lse[missing] = ops.logsumexp(logits[missing])
+            lse[missing] = kernels.logsumexp(logits[missing])
 
         chosen_logprobs = logits.gather(1, chosen[:, None]).squeeze(1) - lse
         top_logprobs = _top_logprobs(logits, lse, chosen, params)
         return SamplerOutput(chosen.tolist(), chosen_logprobs.tolist(), top_logprobs)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Any]) -> tuple[torch.Tensor, set[int]]:
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, set[int]]:
         """Until min_tokens outputs exist, no token that would end the request may be drawn."""
         banned: list[tuple[int, int]] = []
         for i, r in enumerate(requests):
@@ -119,7 +121,7 @@ class Sampler:
         logits[list(rows), list(cols)] = -float("inf")
         return logits, set(rows)
 
-    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token per row; also return each row's logsumexp of the (scaled, masked) logits."""
         # logits: [S, V] of the rows with temperature > 0
         params = [r.sampling_params for r in requests]
@@ -131,9 +133,9 @@ class Sampler:
         logits = _apply_top_k_top_p(logits, params, inv_temp)
         inv_temps = torch.ones(len(params), device=device) if inv_temp is None else inv_temp.squeeze(1)
         min_ps = torch.tensor([max(p.min_p, 0.0) for p in params], device=device)
-        return ops.sample_from_logits(logits, inv_temps, min_ps, self._uniforms(requests, device))
+        return kernels.sample_from_logits(logits, inv_temps, min_ps, self._uniforms(requests, device))
 
-    def _uniforms(self, requests: Sequence[Any], device: torch.device) -> torch.Tensor:
+    def _uniforms(self, requests: Sequence[Request], device: torch.device) -> torch.Tensor:
         """One uniform per row for the inverse-CDF draw (instead of one random number per vocab entry)."""
         uniforms = torch.rand(len(requests), device=device, dtype=torch.float64)
         for row, r in enumerate(requests):
@@ -143,7 +145,7 @@ class Sampler:
                                            dtype=torch.float64)
         return uniforms
 
-    def _generator(self, request: Any, device: torch.device) -> torch.Generator:
+    def _generator(self, request: Request, device: torch.device) -> torch.Generator:
         gen = self._generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=device)
@@ -152,7 +154,7 @@ class Sampler:
         return gen
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Any]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Repetition (HF: prompt + output tokens) then presence/frequency (OpenAI: output tokens)."""
     rep_rows = [i for i, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
     pf_rows = [
@@ -196,7 +198,7 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
     return counts[:, :vocab]
 
 
-def _samples_raw_distribution(p: Any) -> bool:
+def _samples_raw_distribution(p: SamplingParams) -> bool:
     """True when sampling draws from the model's unmodified softmax (no temperature, masks, penalties)."""
     return (
         p.temperature == 1.0
@@ -210,7 +212,7 @@ def _samples_raw_distribution(p: Any) -> bool:
 
 
 def _apply_top_k_top_p(
-    logits: torch.Tensor, params: Sequence[Any], inv_temp: torch.Tensor | None = None
+    logits: torch.Tensor, params: Sequence[SamplingParams], inv_temp: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Mask to -inf what top-k, then top-p (over the top-k-renormalised distribution at the row's
     temperature, `inv_temp` = 1/T per row or None for all 1), exclude."""
@@ -243,7 +245,7 @@ def _apply_top_k_top_p(
 
 
 def _top_logprobs(
-    logits: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, params: Sequence[Any]
+    logits: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, params: Sequence[SamplingParams]
 ) -> list[dict[int, float] | None]:
     """Top-N raw logprobs plus the chosen token for rows with `logprobs` > 0, else None."""
     wanted = [p.logprobs or 0 for p in params]
