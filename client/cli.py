@@ -12,7 +12,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedserve.client.launcher", "start tritonserver with the pagedserve model repository"),
-    "openai": ("pagedserve.client.openai_server", "run the OpenAI-compatible shim against a tritonserver"),
+    "openai": ("pagedserve.client.openai", "run the OpenAI-compatible shim against a tritonserver"),
     "generate": ("pagedserve.client.commands", "generate text for one prompt"),
     "chat": ("pagedserve.client.commands", "interactive chat in the terminal"),
     "bench": ("pagedserve.client.bench", "online load generator (Triton gRPC or an OpenAI URL)"),

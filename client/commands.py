@@ -76,7 +76,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _chat(args: argparse.Namespace) -> int:
-    from pagedserve.client.openai_server import ChatTemplate
+    from pagedserve.client.openai.chat_template import ChatTemplate
 
     client = TritonLLMClient(args.url)
     try:

@@ -33,7 +33,7 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # Parameter keys filled with the model path in every model of the repository that declares them.
 MODEL_PATH_KEYS = ("model", "tokenizer")
 LLM_MODEL_NAME = "llm"
-OPENAI_MODULE = "pagedserve.client.openai_server"
+OPENAI_MODULE = "pagedserve.client.openai"
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: st
 
 def spawn_openai_shim(triton_grpc_url: str, metrics_url: str, host: str, port: int, *shim_args: str,
                       **popen_kwargs) -> subprocess.Popen:
-    """`python -m pagedserve.client.openai_server` in front of a running tritonserver."""
+    """`python -m pagedserve.client.openai` in front of a running tritonserver."""
     cmd = [
         sys.executable, "-m", OPENAI_MODULE,
         "--triton-url", triton_grpc_url,

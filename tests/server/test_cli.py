@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from pagedserve.client.cli import main
-from pagedserve.client.openai_server import ChatTemplate
+from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.triton_client import TritonLLMClient
 
 pytestmark = pytest.mark.slow

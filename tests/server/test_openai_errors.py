@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from pagedserve.client.openai_server import ShimSettings, create_app
+from pagedserve.client.openai.app import create_app
+from pagedserve.client.openai.shim import ShimSettings
 
 # Nothing listens there: every case below must be answered by the shim itself.
 UNREACHABLE = "127.0.0.1:9"

@@ -1,0 +1,114 @@
+"""What every request of the shim shares: its settings, the Triton client, and the model folder's chat
+template and tokenizer, each made once on first use."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedserve.client.openai.chat_template import ChatTemplate
+from pagedserve.client.openai.errors import APIError, bad_request
+from pagedserve.client.openai.protocol import GenerationRequest
+from pagedserve.client.triton_client import LLMResponse, TritonLLMClient, TritonUnavailableError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class ShimSettings:
+    """What the shim needs to know; `model_path` is asked of Triton when not given."""
+
+    triton_url: str = "localhost:8001"
+    model_name: str | None = None
+    model_path: str | None = None
+    api_key: str | None = None
+    metrics_url: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class OpenAIShim:
+    """The request handlers' shared state: the Triton client and the lazily loaded chat template."""
+
+    def __init__(self, settings: ShimSettings):
+        self.settings = settings
+        self.model_name = settings.model_name or (Path(settings.model_path).name if settings.model_path else "llm")
+        self.metrics_url = settings.metrics_url or f"http://{settings.triton_url.rsplit(':', 1)[0]}:8002/metrics"
+        self.created = int(time.time())
+        self._client: TritonLLMClient | None = None
+        self._chat_template: ChatTemplate | None = None
+        self._tokenizer: Any = None
+
+    @property
+    def client(self) -> TritonLLMClient:
+        """The gRPC client of the `llm` model."""
+        # Made on first use so the gRPC channel binds to the running event loop.
+        if self._client is None:
+            self._client = TritonLLMClient(self.settings.triton_url)
+        return self._client
+
+    async def close(self) -> None:
+        """Close the gRPC channel, if one was opened."""
+        if self._client is not None:
+            await self._client.close()
+
+    async def model_dir(self) -> Path:
+        """The model folder: --model, else the `model_path` parameter of the llm model's config."""
+        if self.settings.model_path is None:
+            try:
+                params = await self.client.model_parameters()
+            except TritonUnavailableError as error:
+                raise APIError(503, f"cannot ask Triton for the model folder: {error}") from error
+            path = params.get("model_path") or params.get("model")
+            if not path:
+                raise APIError(500, "the llm model's config has no model_path parameter; start the shim with --model")
+            self.settings.model_path = path
+        return Path(self.settings.model_path)
+
+    async def chat_template(self) -> ChatTemplate:
+        """The model folder's chat template, read once."""
+        if self._chat_template is None:
+            folder = await self.model_dir()
+            try:
+                self._chat_template = ChatTemplate.from_model_dir(folder)
+            except FileNotFoundError as error:
+                raise bad_request(f"the model has no chat template ({error}); use /v1/completions",
+                                  "messages") from error
+        return self._chat_template
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Prompt text of token ids (for echo), with the model folder's tokenizer.json."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(await self.model_dir() / "tokenizer.json"))
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def check_model(self, name: str) -> None:
+        """404 model_not_found unless `name` is the served model id."""
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    def model_card(self) -> dict:
+        """The served model as /v1/models lists it."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}
+
+    def triton_streams(self, request: GenerationRequest, request_id: str) -> list[AsyncIterator[LLMResponse]]:
+        """One `llm` request per prompt."""
+        streams = []
+        for i, prompt in enumerate(request.prompts):
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            streams.append(
+                self.client.generate(
+                    text,
+                    input_ids=ids,
+                    sampling_parameters=request.sampling,
+                    stream=request.stream,
+                    return_logprobs=request.logprobs is not None,
+                    request_id=f"{request_id}-{i}",
+                    add_special_tokens=request.add_special_tokens,
+                )
+            )
+        return streams
