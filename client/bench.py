@@ -50,6 +50,29 @@ class RequestResult:
     error: str = ""
 
 
+class _TokenClock:
+    """Times one request from its send: its first token sets the TTFT, each later one adds an ITL."""
+
+    def __init__(self, result: RequestResult):
+        self.result = result
+        self.start = self.last = time.perf_counter()
+
+    def token(self) -> None:
+        """A token (a response with new text) arrived now."""
+        now = time.perf_counter()
+        if math.isnan(self.result.ttft):
+            self.result.ttft = now - self.start
+        else:
+            self.result.itls.append(now - self.last)
+        self.last = now
+
+    def finish(self) -> RequestResult:
+        """The request ended well now."""
+        self.result.latency = time.perf_counter() - self.start
+        self.result.ok = True
+        return self.result
+
+
 def make_workload(num_prompts: int, seed: int, input_len: int, output_len: int,
                   max_input_len: int, max_output_len: int) -> list[WorkItem]:
     """Seeded prompts and output lengths, log-normal around the given medians like ShareGPT's."""
@@ -81,26 +104,19 @@ def arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
 async def triton_request(client: TritonLLMClient, item: WorkItem) -> RequestResult:
     """Stream one request through the `llm` model's gRPC endpoint."""
     params = {"max_tokens": item.output_len, "ignore_eos": True, "temperature": 0.0}
-    start = time.perf_counter()
-    last, result = start, RequestResult(ok=False)
+    result = RequestResult(ok=False)
+    clock = _TokenClock(result)
     try:
         async for response in client.generate(item.prompt, sampling_parameters=params, stream=True):
-            now = time.perf_counter()
             if not response.text[0]:
                 continue
-            if math.isnan(result.ttft):
-                result.ttft = now - start
-            else:
-                result.itls.append(now - last)
-            last = now
+            clock.token()
             result.prompt_tokens = response.num_input_tokens or result.prompt_tokens
             result.output_tokens = (response.num_output_tokens or [result.output_tokens])[0]
     except Exception as error:  # every failure is counted, none stops the run
         result.error = str(error)
         return result
-    result.latency = time.perf_counter() - start
-    result.ok = True
-    return result
+    return clock.finish()
 
 
 async def openai_request(http, url: str, model: str, item: WorkItem, chat: bool,
@@ -114,8 +130,8 @@ async def openai_request(http, url: str, model: str, item: WorkItem, chat: bool,
         body["prompt"] = item.prompt
     endpoint = f"{url}/chat/completions" if chat else f"{url}/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    start = time.perf_counter()
-    last, result = start, RequestResult(ok=False)
+    result = RequestResult(ok=False)
+    clock = _TokenClock(result)
     try:
         async with http.stream("POST", endpoint, json=body, headers=headers) as response:
             if response.status_code != 200:
@@ -133,20 +149,12 @@ async def openai_request(http, url: str, model: str, item: WorkItem, chat: bool,
                     return result
                 choices = chunk.get("choices") or []
                 text = (choices[0].get("delta", {}).get("content") if chat else choices[0].get("text")) if choices else ""
-                if not text:
-                    continue
-                now = time.perf_counter()
-                if math.isnan(result.ttft):
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
+                if text:
+                    clock.token()
     except Exception as error:  # every failure is counted, none stops the run
         result.error = str(error)
         return result
-    result.latency = time.perf_counter() - start
-    result.ok = True
-    return result
+    return clock.finish()
 
 
 # --------------------------------------------------------------------------- the run
