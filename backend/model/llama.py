@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.config import ModelArchConfig
-from pagedserve.backend.worker.attention import AttentionMetadata
-from pagedserve.kernels import ops
 from torch import nn
+
+from pagedserve import kernels
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +22,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise x (after adding residual, when given)."""
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -51,9 +52,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        q = ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
-                                           meta.slot_mapping)
-        out = ops.paged_attention(
+        q = kernels.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
+                                               meta.slot_mapping)
+        out = kernels.paged_attention(
             q,
             key_cache,
             value_cache,
@@ -77,7 +78,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -128,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, dtype: torch.dtype, device: torch.device) -> None:
         """Build the cos/sin table (after the weights are on their device)."""
         cfg = self.config
-        self.cos_sin_cache = ops.compute_cos_sin_cache(
+        self.cos_sin_cache = kernels.compute_cos_sin_cache(
             cfg.head_dim, self.max_position, cfg.rope_theta, cfg.rope_scaling, dtype
         ).to(device)
 
@@ -149,4 +150,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] fp32
         """Project selected hidden rows onto the vocabulary, in fp32."""
-        return ops.to_float32(self.lm_head(hidden))
+        return kernels.to_float32(self.lm_head(hidden))

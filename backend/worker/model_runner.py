@@ -10,8 +10,8 @@ import torch
 from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
+from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
-from pagedserve.backend.worker.attention import AttentionMetadata
 
 import pagedserve
 from pagedserve import kernels
