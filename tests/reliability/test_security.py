@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from pagedserve.client import launcher, openai_server
-from pagedserve.client.openai_server import ChatTemplate, ShimSettings, create_app
+from pagedserve.client import launcher
+from pagedserve.client import openai as openai_shim
+from pagedserve.client.openai import app as shim_app
+from pagedserve.client.openai.app import create_app
+from pagedserve.client.openai.chat_template import ChatTemplate
+from pagedserve.client.openai.errors import APIError
+from pagedserve.client.openai.shim import ShimSettings
 
 # 127.0.0.1, ::ffff:127.0.0.1 and ::1 as /proc/net/tcp[6] write them.
 LOOPBACK_HEX = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
@@ -46,7 +51,7 @@ def test_every_listener_defaults_to_loopback_and_opening_up_is_an_explicit_host(
     assert parser.parse_args([]).host == "127.0.0.1"
     assert parser.parse_args(["--host", "0.0.0.0"]).host == "0.0.0.0"
     shim_parser = argparse.ArgumentParser()
-    openai_server.add_arguments(shim_parser)
+    openai_shim.add_arguments(shim_parser)
     assert shim_parser.parse_args([]).host == "127.0.0.1"
     command = launcher.TritonServer(tmp_path / "repo", work_dir=tmp_path).command()
     for flag in ("--http-address", "--grpc-address", "--metrics-address"):
@@ -60,7 +65,7 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
         compared.append((a, b))
         return a == b
 
-    monkeypatch.setattr(openai_server.hmac, "compare_digest", recording_compare_digest)
+    monkeypatch.setattr(shim_app.hmac, "compare_digest", recording_compare_digest)
     app = create_app(ShimSettings(triton_url="127.0.0.1:9", model_name="tiny", api_key="s3cret"))
     with TestClient(app) as client:
         assert client.get("/v1/models", headers={"Authorization": "Bearer guess"}).status_code == 401
@@ -77,7 +82,7 @@ def test_message_text_is_never_rendered_as_a_template():
 
 def test_a_template_reaching_for_python_internals_is_refused():
     template = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(openai_server.APIError):
+    with pytest.raises(APIError):
         template.render([{"role": "user", "content": "hi"}])
 
 

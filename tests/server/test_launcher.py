@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -17,11 +16,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
+from pagedserve.backend.worker.default_model import ensure_default_model
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
+    OPENAI_MODULE,
     TritonInstall,
     TritonServer,
     fill_parameters,
@@ -30,6 +29,13 @@ from pagedserve.client.launcher import (
     prepare_model_repository,
 )
 
+from tests.support.servers import RunningTriton
+
+# Everything up to the SIGTERM must happen within this, well inside pytest's 600 s timeout (which leaves
+# room for the shutdown), so a server that never comes up fails here, with the launcher's output.
+SERVE_DEADLINE_SECONDS = 240
+PROMPT = "The capital of France is"
+ANSWER_TOKENS = 8
 CONFIG = '''backend: "python"
 parameters { key: "model" value: { string_value: "" } }
 parameters { key: "max_model_len" value: { string_value: "2048" } }
@@ -114,8 +120,14 @@ def _processes_mentioning(text: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_path, free_loopback_ports):
+def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_path, free_loopback_ports,
+                                                                            hf_reference):
+    from transformers import AutoTokenizer
+
     http_port, grpc_port, metrics_port, openai_port = free_loopback_ports
+    model_path = Path(ensure_default_model())  # the folder the launcher serves when given no --model
+    running = RunningTriton(http_url=f"127.0.0.1:{http_port}", grpc_url=f"127.0.0.1:{grpc_port}",
+                            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", model_path=model_path)
     work_dir = tmp_path / "tmp"
     work_dir.mkdir()
     env = {**os.environ, "TMPDIR": str(work_dir)}  # the launcher's generated files land here
@@ -130,47 +142,41 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
     reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 900
-        while _get(f"http://127.0.0.1:{http_port}/v2/health/ready") != 200:
+        deadline = time.monotonic() + SERVE_DEADLINE_SECONDS
+        while _get(f"http://{running.http_url}/v2/health/ready") != 200:
             assert launcher.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "the server did not become ready"
+            assert time.monotonic() < deadline, "the server did not become ready:\n" + "".join(lines)
             time.sleep(1)
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{http_port}/v2/models/llm/generate",
-            data=json.dumps({"text_input": "The capital of France is", "max_tokens": 8, "temperature": 0,
-                             "exclude_input_in_output": True}).encode(),
-        )
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            text = json.loads(reply.read())["text_output"]
-        assert text.strip()
-        if importlib.util.find_spec("pagedserve.client.openai_server") is not None:
+        answer = running.generate("llm", {
+            "text_input": PROMPT, "max_tokens": ANSWER_TOKENS, "temperature": 0, "ignore_eos": True,
+            "exclude_input_in_output": True, "return_logprobs": True, "logprobs": 0,
+        })
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        expected, _ = hf_reference.greedy(model_path, tokenizer(PROMPT).input_ids, ANSWER_TOKENS)
+        # Greedy in fp32 (the default model's dtype): exactly transformers' tokens and their text.
+        assert [entry["token_id"] for entry in json.loads(answer["logprobs"])] == expected, answer
+        assert answer["text_output"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert "Paris" in answer["text_output"]
+        if importlib.util.find_spec(OPENAI_MODULE) is not None:
             while _get(f"http://127.0.0.1:{openai_port}/v1/models") != 200:
-                assert time.monotonic() < deadline, "the OpenAI shim did not come up"
+                assert time.monotonic() < deadline, "the OpenAI shim did not come up:\n" + "".join(lines)
                 time.sleep(1)
         while not any("Ctrl-C stops it." in line for line in lines):
-            assert time.monotonic() < deadline, "the launcher did not print its URLs"
+            assert time.monotonic() < deadline, "the launcher did not print its URLs:\n" + "".join(lines)
             time.sleep(0.2)
         assert _processes_mentioning(str(work_dir)), "tritonserver should run from the generated folder"
         # A long request still running at shutdown must not keep the launcher (or any process) alive.
-        stream = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
-        answers: queue.Queue = queue.Queue()
-        stream.start_stream(callback=lambda result, error: answers.put((result, error)))
-        sampling = json.dumps({"max_tokens": 1900, "ignore_eos": True}).encode()
-        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"),
-                  grpcclient.InferInput("sampling_parameters", [1], "BYTES")]
-        inputs[0].set_data_from_numpy(np.array([b"Tell me a very long story."], dtype=np.object_))
-        inputs[1].set_data_from_numpy(np.array([True]))
-        inputs[2].set_data_from_numpy(np.array([sampling], dtype=np.object_))
-        stream.async_stream_infer("llm", inputs, enable_empty_final_response=True)
-        assert answers.get(timeout=300)[1] is None
+        stream = running.open_stream("llm", {"text_input": "Tell me a very long story.", "stream": True,
+                                             "sampling_parameters": {"max_tokens": 1900, "ignore_eos": True}})
+        assert stream.next(timeout=60).error is None
     finally:
         launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=120)
+        launcher.wait(timeout=60)
         reader.join(timeout=30)
     output = "".join(lines)
     errors = []
-    while not answers.empty():
-        errors.append(answers.get()[1])
+    while stream.waiting():
+        errors.append(stream.next().error)
     stream.close()
     # Triton waits up to its exit timeout for in-flight requests, then exits: the stream ends in an error.
     assert errors and errors[-1] is not None
