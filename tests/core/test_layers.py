@@ -51,7 +51,8 @@ def _sources() -> list[tuple[str, Path]]:
     sources = []
     for folder, package in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
-            module = ".".join([package, *path.relative_to(ROOT / folder).with_suffix("").parts])
+            parts = [part for part in path.relative_to(ROOT / folder).with_suffix("").parts if part != "__init__"]
+            module = ".".join([package, *parts])
             sources.append((_layer(module), path))
     return sources
 
