@@ -211,12 +211,18 @@ def test_fork_shares_every_block_and_copies_the_partial_one_on_first_write():
     assert bm.blocks[0].ref_cnt == 2 and bm.blocks[1].ref_cnt == 1 and bm.blocks[2].ref_cnt == 1
 
 
-def test_fork_at_a_block_boundary_needs_no_copy():
+def forked(num_tokens: int) -> tuple[BlockManager, Request, Request]:
+    """A pool holding request "p" with `num_tokens` computed, and "c" forked from it (sharing its blocks)."""
     bm = BlockManager(11, BS)
-    parent = req("p", list(range(8)))
+    parent = req("p", list(range(num_tokens)))
     compute(bm, parent)
-    child = req("c", list(range(8)))
+    child = req("c", list(range(num_tokens)))
     bm.fork(parent, child)
+    return bm, parent, child
+
+
+def test_fork_at_a_block_boundary_needs_no_copy():
+    bm, parent, child = forked(8)
     child.num_computed_tokens = 8
     parent.append_output_token_id(1)
     child.append_output_token_id(2)
@@ -226,11 +232,7 @@ def test_fork_at_a_block_boundary_needs_no_copy():
 
 
 def test_freeing_a_copy_target_before_the_step_drops_the_pending_copy():
-    bm = BlockManager(11, BS)
-    parent = req("p", list(range(6)))
-    compute(bm, parent)
-    child = req("c", list(range(6)))
-    bm.fork(parent, child)
+    bm, parent, _ = forked(6)
     parent.append_output_token_id(3)
     assert bm.allocate_slots(parent, 1) == [2]
     bm.free(parent)

@@ -12,15 +12,14 @@ from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import UnsupportedModelError
 
 from pagedserve.testing import copy_with_bos_tokenizer
+from tests.support.engines import cpu_engine
 
 PROMPT = "The quick brown fox"
 
 
 @pytest.fixture
 def engine(tiny_llama_path) -> LLMEngine:
-    return LLMEngine.from_pretrained(
-        str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=64, max_model_len=128
-    )
+    return cpu_engine(tiny_llama_path, block_size=4, num_blocks=64, max_model_len=128)
 
 
 def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
@@ -221,8 +220,7 @@ def test_n4_shares_the_prompt_blocks_and_greedy_copies_agree(engine):
 
 
 def test_n_greater_than_1_counts_every_sequence_against_max_num_seqs(tiny_llama_path):
-    engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", block_size=4,
-                                       num_blocks=128, max_model_len=128, max_num_seqs=4)
+    engine = cpu_engine(tiny_llama_path, block_size=4, num_blocks=128, max_model_len=128, max_num_seqs=4)
     for i in range(3):
         engine.add_request(f"r{i}", PROMPT, greedy(max_tokens=5, n=3))
     most = 0
@@ -242,7 +240,7 @@ def test_n_greater_than_1_counts_every_sequence_against_max_num_seqs(tiny_llama_
 def test_a_prompt_rendered_from_a_chat_template_gets_no_second_bos(tiny_llama_path, tmp_path):
     # A tokenizer that adds a BOS of its own, as Llama's do; its chat template starts with the BOS too.
     folder = copy_with_bos_tokenizer(tiny_llama_path, tmp_path / "bos")
-    engine = LLMEngine.from_pretrained(str(folder), dtype="float32", device="cpu", max_model_len=128)
+    engine = cpu_engine(folder, max_model_len=128)
     rendered = "<|endoftext|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     engine.add_request("plain", rendered, greedy(max_tokens=1, prompt_logprobs=0))
     engine.add_request("chat", rendered, greedy(max_tokens=1, prompt_logprobs=0), add_special_tokens=False)
@@ -317,16 +315,12 @@ def test_kv_cache_is_sized_from_the_memory_budget_and_logged(tiny_llama_path, ca
     # tiny llama: 2 layers, 2 KV heads of 16 dims; fp32 K and V: 2 * 2 * 16 * 2 * 16 * 4 = 8 KiB per block.
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     with caplog.at_level("INFO", logger="pagedserve.backend.worker.model_runner"):
-        engine = LLMEngine.from_pretrained(
-            str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory_bytes=37 * block_bytes + 5
-        )
+        engine = cpu_engine(tiny_llama_path, kv_cache_memory_bytes=37 * block_bytes + 5)
     assert engine.runner.num_blocks == 37
     assert engine.runner.key_caches[0].shape == (37, 16, 2, 16)
     assert "37 blocks" in caplog.text
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
-        LLMEngine.from_pretrained(
-            str(tiny_llama_path), dtype="float32", device="cpu", kv_cache_memory_bytes=100
-        )
+        cpu_engine(tiny_llama_path, kv_cache_memory_bytes=100)
 
 
 def test_generate_with_one_bad_prompt_queues_none(engine):

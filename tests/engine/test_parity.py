@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 from pagedserve.backend.core.sampling_params import SamplingParams
-from pagedserve.backend.engine.llm_engine import LLMEngine
+
+from tests.support.engines import cpu_engine
 
 PROMPT_LENGTHS = [5, 9, 14, 22, 31, 40, 52, 70]
 SUBMIT_AT_STEP = [0, 0, 1, 2, 3, 5, 8, 12]
@@ -35,15 +36,7 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 @pytest.mark.parametrize("model_fixture", MODELS)
 def test_staggered_batch_matches_transformers_greedy_per_prompt(model_fixture, request, hf_reference):
     path = request.getfixturevalue(model_fixture)
-    engine = LLMEngine.from_pretrained(
-        str(path),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_blocks=24,
-        max_num_batched_tokens=8,
-        max_num_seqs=8,
-    )
+    engine = cpu_engine(path, block_size=4, num_blocks=24, max_num_batched_tokens=8, max_num_seqs=8)
     prompts = _prompts(engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
     final = {}
@@ -71,21 +64,14 @@ def test_staggered_batch_matches_transformers_greedy_per_prompt(model_fixture, r
 
 
 def test_sharded_mistral_checkpoint_matches_transformers(tiny_mistral_path, hf_reference):
-    engine = LLMEngine.from_pretrained(str(tiny_mistral_path), dtype="float32", device="cpu", num_blocks=16)
+    engine = cpu_engine(tiny_mistral_path, num_blocks=16)
     prompt = _prompts(engine.vocab_size)[4]
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == hf_reference.greedy(tiny_mistral_path, prompt, 6)[0]
 
 
 def test_prompt_logprobs_match_transformers(tiny_qwen2_path, hf_reference):
-    engine = LLMEngine.from_pretrained(
-        str(tiny_qwen2_path),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_blocks=32,
-        max_num_batched_tokens=8,
-    )
+    engine = cpu_engine(tiny_qwen2_path, block_size=4, num_blocks=32, max_num_batched_tokens=8)
     prompt = _prompts(engine.vocab_size)[5]
     # A first request caches the prefix; prompt logprobs must still cover every position.
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
@@ -99,14 +85,7 @@ def test_prompt_logprobs_match_transformers(tiny_qwen2_path, hf_reference):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_prompt_logprobs_stay_close_to_fp32_transformers(tiny_llama_path, hf_reference, dtype):
-    engine = LLMEngine.from_pretrained(
-        str(tiny_llama_path),
-        dtype=dtype,
-        device="cpu",
-        block_size=4,
-        num_blocks=32,
-        max_num_batched_tokens=16,
-    )
+    engine = cpu_engine(tiny_llama_path, dtype=dtype, block_size=4, num_blocks=32, max_num_batched_tokens=16)
     assert engine.runner.key_caches[0].dtype == getattr(torch, dtype)
     prompt = _prompts(engine.vocab_size)[6]
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]

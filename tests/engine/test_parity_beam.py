@@ -3,41 +3,22 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
-from pagedserve.backend.engine.llm_engine import LLMEngine
+
+from tests.support.engines import cpu_engine
 
 PROMPTS = [list(range(40, 63)), list(range(100, 117)), list(range(200, 230))]
 
 
-def hf_beams(hf_reference, path, prompt, width, max_tokens, length_penalty, eos_token_id=None):
-    out = hf_reference.model(path).generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        num_beams=width,
-        num_return_sequences=width,
-        max_new_tokens=max_tokens,
-        do_sample=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=0,
-        length_penalty=length_penalty,
-    )
-    beams = [seq[len(prompt) :].tolist() for seq in out]
-    # transformers pads hypotheses that ended early; ours end at their eos.
-    return [b[: b.index(eos_token_id) + 1] if eos_token_id in b else b for b in beams]
-
-
 @pytest.mark.parametrize(("width", "length_penalty"), [(4, 1.0), (3, 0.5)])
 def test_beams_match_transformers_num_beams(tiny_llama_path, hf_reference, width, length_penalty):
-    engine = LLMEngine.from_pretrained(
-        str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=64
-    )
+    engine = cpu_engine(tiny_llama_path, block_size=4, num_blocks=64)
     params = SamplingParams(
         beam_width=width, n=width, max_tokens=8, ignore_eos=True, length_penalty=length_penalty
     )
     out = engine.generate([PROMPTS[0]], params)[0]
-    expected = hf_beams(hf_reference, tiny_llama_path, PROMPTS[0], width, 8, length_penalty)
+    expected = hf_reference.beams(tiny_llama_path, PROMPTS[0], width, 8, length_penalty)
     assert [c.token_ids for c in out.outputs] == expected
     assert all(c.finish_reason == "length" for c in out.outputs)
     assert [c.text for c in out.outputs] == [engine.tokenizer.decode(t) for t in expected]
@@ -45,9 +26,7 @@ def test_beams_match_transformers_num_beams(tiny_llama_path, hf_reference, width
 
 
 def test_beams_ending_in_eos_match_transformers(tiny_llama_path, hf_reference):
-    engine = LLMEngine.from_pretrained(
-        str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=64
-    )
+    engine = cpu_engine(tiny_llama_path, block_size=4, num_blocks=64)
     free_run = engine.generate(
         [PROMPTS[0]], SamplingParams(beam_width=4, n=4, max_tokens=10, ignore_eos=True)
     )[0]
@@ -56,25 +35,16 @@ def test_beams_ending_in_eos_match_transformers(tiny_llama_path, hf_reference):
     engine.eos_token_ids.clear()
     engine.eos_token_ids.add(eos)
     out = engine.generate([PROMPTS[0]], SamplingParams(beam_width=4, n=4, max_tokens=10))[0]
-    expected = hf_beams(hf_reference, tiny_llama_path, PROMPTS[0], 4, 10, 1.0, eos_token_id=eos)
+    expected = hf_reference.beams(tiny_llama_path, PROMPTS[0], 4, 10, 1.0, eos_token_id=eos)
     assert [c.token_ids for c in out.outputs] == expected
     assert any(c.finish_reason == "stop" for c in out.outputs)
 
 
 def test_concurrent_beam_requests_survive_preemption(tiny_llama_path):
     params = SamplingParams(beam_width=4, n=2, max_tokens=12, ignore_eos=True)
-    roomy = LLMEngine.from_pretrained(
-        str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=128
-    )
+    roomy = cpu_engine(tiny_llama_path, block_size=4, num_blocks=128)
     expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(PROMPTS, params)]
-    tight = LLMEngine.from_pretrained(
-        str(tiny_llama_path),
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        num_blocks=24,
-        max_num_batched_tokens=8,
-    )
+    tight = cpu_engine(tiny_llama_path, block_size=4, num_blocks=24, max_num_batched_tokens=8)
     got = [[c.token_ids for c in o.outputs] for o in tight.generate(PROMPTS, params)]
     assert got == expected
     stats = tight.get_stats()
@@ -86,10 +56,7 @@ def test_beams_that_give_back_their_blocks_are_requeued_past_a_full_waiting_queu
     # A tight pool stalls the beam groups: one gives its blocks back and its beams queue again. They were
     # admitted already, so max_num_waiting must not refuse them (that used to leave the group hanging).
     params = SamplingParams(beam_width=3, max_tokens=12, ignore_eos=True)
-    tight = LLMEngine.from_pretrained(
-        str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=12, max_num_seqs=3,
-        max_num_waiting=1,
-    )
+    tight = cpu_engine(tiny_llama_path, block_size=4, num_blocks=12, max_num_seqs=3, max_num_waiting=1)
     tight.add_request("b", "The quick brown fox", params)
     tight.add_request("other", "Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     tight.add_request("b2", "Hello world", SamplingParams(beam_width=2, max_tokens=12, ignore_eos=True))
@@ -105,16 +72,14 @@ def test_beams_that_give_back_their_blocks_are_requeued_past_a_full_waiting_queu
 
 
 def test_beam_search_with_min_tokens_ignores_stop_ids_outside_the_vocabulary(tiny_llama_path):
-    engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu")
+    engine = cpu_engine(tiny_llama_path)
     params = SamplingParams(beam_width=2, max_tokens=6, min_tokens=3, stop_token_ids=[10**6])
     (out,) = engine.generate([PROMPTS[0]], params)
     assert out.error is None and [len(c.token_ids) for c in out.outputs] == [6]
 
 
 def test_beam_search_that_cannot_fit_the_pool_is_refused(tiny_llama_path):
-    engine = LLMEngine.from_pretrained(
-        str(tiny_llama_path), dtype="float32", device="cpu", block_size=4, num_blocks=16
-    )
+    engine = cpu_engine(tiny_llama_path, block_size=4, num_blocks=16)
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(
             "wide", None, SamplingParams(beam_width=8, max_tokens=20), prompt_token_ids=PROMPTS[0]

@@ -7,17 +7,17 @@ those 0.3 s, and its first token comes with that stream's first token after the 
 
 from __future__ import annotations
 
-import queue
 import time
 
 import pytest
-import tritonclient.grpc as grpcclient
+
+from tests.support.servers import CPU_FP32, RunningTriton
+from tests.support.streams import GrpcStream
 
 pytestmark = pytest.mark.slow
 
-WINDOW_PARAMS = {
-    "device": "cpu",
-    "dtype": "float32",
+LLM_PARAMS = {
+    **CPU_FP32,
     "max_model_len": "1024",
     "max_num_seqs": "4",
     "admission_window_ms": "5000",
@@ -27,58 +27,36 @@ CLIENT_DELAY_SECONDS = 0.3
 LIVENESS_SECONDS = 60
 
 
-@pytest.fixture(scope="module")
-def window_server(tiny_llama_path, tmp_path_factory, triton_starter):
-    with triton_starter(tiny_llama_path, tmp_path_factory.mktemp("window-triton"), WINDOW_PARAMS,
-                        llm_only=True) as (_, running):
-        yield running
+def _start(running: RunningTriton, text: str, max_tokens: int) -> GrpcStream:
+    """One greedy request of `max_tokens` on its own gRPC stream."""
+    sampling = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+    return running.open_stream("llm", {"text_input": text, "stream": True, "sampling_parameters": sampling})
 
 
-class TimedStream:
-    """One request on its own gRPC stream, each response stamped with its arrival time by the callback."""
-
-    def __init__(self, running, make_inputs, text: str, max_tokens: int):
-        self.answers: queue.Queue = queue.Queue()
-        self._client = grpcclient.InferenceServerClient(running.grpc_url)
-        self._client.start_stream(callback=lambda result, error: self.answers.put((time.monotonic(), result,
-                                                                                      error)))
-        sampling = {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
-        self._client.async_stream_infer("llm", make_inputs({"text_input": text, "stream": True,
-                                                             "sampling_parameters": sampling}),
-                                        enable_empty_final_response=True)
-
-    def arrivals(self, count: int | None = None) -> list[float]:
-        """Arrival times of the next `count` responses, or of all until the final one."""
-        times = []
-        while count is None or len(times) < count:
-            arrived, result, error = self.answers.get(timeout=LIVENESS_SECONDS)
-            assert error is None, error
-            times.append(arrived)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        return times
-
-    def close(self, cancel: bool = False) -> None:
-        self._client.stop_stream(cancel_requests=cancel)
-        self._client.close()
+def _arrivals(stream: GrpcStream, count: int | None = None) -> list[float]:
+    """Arrival times of the next `count` responses, or of all until the final one."""
+    times = []
+    while count is None or len(times) < count:
+        answer = stream.next(LIVENESS_SECONDS)
+        assert answer.error is None, answer.error
+        times.append(answer.arrived)
+        if answer.final:
+            break
+    return times
 
 
-def test_a_closed_loop_clients_next_request_joins_the_step_after_its_previous_one_ended(window_server, make_inputs):
-    running = window_server
-    long = TimedStream(running, make_inputs, "A long story:", 1000)
+def test_a_closed_loop_clients_next_request_joins_the_step_after_its_previous_one_ended(llm_server):
+    long = _start(llm_server, "A long story:", 1000)
     try:
-        long.arrivals(3)  # the long stream is running
-        short = TimedStream(running, make_inputs, "Hello", 2)
-        try:
-            ended = short.arrivals()[-1]
-        finally:
-            short.close()
+        _arrivals(long, 3)  # the long stream is running
+        with _start(llm_server, "Hello", 2) as short:
+            ended = _arrivals(short)[-1]
         time.sleep(max(0.0, ended + CLIENT_DELAY_SECONDS - time.monotonic()))
         # Long enough not to end (an ending would open another window) while the long stream is read.
-        following = TimedStream(running, make_inputs, "Hello again", 1000)
+        following = _start(llm_server, "Hello again", 1000)
         try:
-            first_token = following.arrivals(1)[0]
-            times = long.arrivals(60)
+            first_token = _arrivals(following, 1)[0]
+            times = _arrivals(long, 60)
         finally:
             following.close(cancel=True)
     finally:

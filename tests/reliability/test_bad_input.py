@@ -16,16 +16,13 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 
+from tests.support.engines import cpu_engine
+
 pytestmark = pytest.mark.slow
 
 GOOD_HTTP = {"text_input": "Hello", "max_tokens": 2, "temperature": 0}
 TOO_MANY_TOKENS = "word " * 300  # over max_model_len (128) tokens, well under the byte limit
 OVER_BYTE_LIMIT = "a" * ((1 << 20) + 1)
-
-
-def _sp(**settings) -> str:
-    """A sampling_parameters JSON string (NaN written as JSON's common NaN extension)."""
-    return json.dumps(settings)
 
 
 # name: (request body for POST /v2/models/llm/generate, field the message must name)
@@ -39,34 +36,34 @@ LLM_HTTP_CASES = {
     "repetition_penalty zero": ({"text_input": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
     "presence_penalty out of range": ({"text_input": "Hi", "presence_penalty": 3.0}, "presence_penalty"),
     "frequency_penalty out of range": ({"text_input": "Hi", "frequency_penalty": -3.0}, "frequency_penalty"),
-    "n above its limit": ({"text_input": "Hi", "sampling_parameters": _sp(n=65)}, "n"),
-    "seed negative": ({"text_input": "Hi", "sampling_parameters": _sp(seed=-1)}, "seed"),
-    "seed over 2**63": ({"text_input": "Hi", "sampling_parameters": _sp(seed=2**64)}, "seed"),
+    "n above its limit": ({"text_input": "Hi", "sampling_parameters": {"n": 65}}, "n"),
+    "seed negative": ({"text_input": "Hi", "sampling_parameters": {"seed": -1}}, "seed"),
+    "seed over 2**63": ({"text_input": "Hi", "sampling_parameters": {"seed": 2**64}}, "seed"),
     "max_tokens over the context": ({"text_input": "Hi", "max_tokens": 1000}, "max_tokens"),
     "max_tokens as a word": ({"text_input": "Hi", "sampling_parameters": '{"max_tokens": "five"}'}, "max_tokens"),
     "max_tokens as a float": ({"text_input": "Hi", "sampling_parameters": '{"max_tokens": 5.5}'}, "max_tokens"),
-    "min_tokens above max_tokens": ({"text_input": "Hi", "sampling_parameters": _sp(min_tokens=9, max_tokens=3)},
+    "min_tokens above max_tokens": ({"text_input": "Hi", "sampling_parameters": {"min_tokens": 9, "max_tokens": 3}},
                                     "min_tokens"),
-    "17 stop strings": ({"text_input": "Hi", "sampling_parameters": _sp(stop=[f"s{i}" for i in range(17)])},
+    "17 stop strings": ({"text_input": "Hi", "sampling_parameters": {"stop": [f"s{i}" for i in range(17)]}},
                         "stop"),
-    "stop string of 300 chars": ({"text_input": "Hi", "sampling_parameters": _sp(stop=["x" * 300])}, "stop"),
-    "stop not strings": ({"text_input": "Hi", "sampling_parameters": _sp(stop=[1, 2])}, "stop"),
-    "stop_token_ids negative": ({"text_input": "Hi", "sampling_parameters": _sp(stop_token_ids=[-3])},
+    "stop string of 300 chars": ({"text_input": "Hi", "sampling_parameters": {"stop": ["x" * 300]}}, "stop"),
+    "stop not strings": ({"text_input": "Hi", "sampling_parameters": {"stop": [1, 2]}}, "stop"),
+    "stop_token_ids negative": ({"text_input": "Hi", "sampling_parameters": {"stop_token_ids": [-3]}},
                                 "stop_token_ids"),
-    "logprobs above 20": ({"text_input": "Hi", "sampling_parameters": _sp(logprobs=21)}, "logprobs"),
-    "prompt_logprobs above 20": ({"text_input": "Hi", "sampling_parameters": _sp(prompt_logprobs=21)},
+    "logprobs above 20": ({"text_input": "Hi", "sampling_parameters": {"logprobs": 21}}, "logprobs"),
+    "prompt_logprobs above 20": ({"text_input": "Hi", "sampling_parameters": {"prompt_logprobs": 21}},
                                  "prompt_logprobs"),
     "ignore_eos not a bool": ({"text_input": "Hi", "sampling_parameters": '{"ignore_eos": 1}'}, "ignore_eos"),
     "unknown top-level parameter": ({"text_input": "Hi", "bogus_knob": 1}, "bogus_knob"),
     "sampling_parameters a JSON string": ({"text_input": "Hi", "sampling_parameters": '"greedy"'},
                                           "sampling_parameters"),
-    "sampling_parameters over 64 KiB": ({"text_input": "Hi", "sampling_parameters": _sp(stop=["x" * 70_000])},
+    "sampling_parameters over 64 KiB": ({"text_input": "Hi", "sampling_parameters": {"stop": ["x" * 70_000]}},
                                         "sampling_parameters"),
     "text_input over the byte limit": ({"text_input": OVER_BYTE_LIMIT}, "text_input"),
     "prompt over max_model_len tokens": ({"text_input": TOO_MANY_TOKENS, "max_tokens": 1}, "prompt"),
-    "beam search with stop strings": ({"text_input": "Hi", "sampling_parameters": _sp(beam_width=2, stop=["."])},
+    "beam search with stop strings": ({"text_input": "Hi", "sampling_parameters": {"beam_width": 2, "stop": ["."]}},
                                       "stop"),
-    "n above beam_width": ({"text_input": "Hi", "sampling_parameters": _sp(beam_width=2, n=3)}, "n"),
+    "n above beam_width": ({"text_input": "Hi", "sampling_parameters": {"beam_width": 2, "n": 3}}, "n"),
 }
 
 
@@ -90,13 +87,13 @@ LLM_GRPC_CASES = {
 
 
 @pytest.mark.parametrize("values, field", LLM_GRPC_CASES.values(), ids=LLM_GRPC_CASES.keys())
-def test_llm_grpc_stream_ends_with_one_error_naming_the_field(small_pool_server, wait_idle, values, field):
+def test_llm_grpc_stream_ends_with_one_error_naming_the_field(small_pool_server, values, field):
     result = small_pool_server.grpc_stream("llm", values)
     assert result.responses == [] and result.error is not None
     assert field in str(result.error)
     good = small_pool_server.grpc_stream("llm", {"text_input": "Hi", "sampling_parameters": {"max_tokens": 2}})
     assert good.error is None and good.texts()[0].startswith("Hi")
-    wait_idle(small_pool_server)
+    small_pool_server.wait_idle()
 
 
 ENSEMBLE_HTTP_CASES = {
@@ -119,22 +116,22 @@ HTTP_CASES = [
 
 
 @pytest.mark.parametrize("model, body, field", HTTP_CASES)
-def test_http_generate_refuses_with_400_naming_the_field(small_pool_server, wait_idle, model, body, field):
+def test_http_generate_refuses_with_400_naming_the_field(small_pool_server, model, body, field):
     status, text = small_pool_server.post(f"/v2/models/{model}/generate", body)
     assert status == 400, text
     assert field in json.loads(text)["error"]
     assert small_pool_server.generate(model, GOOD_HTTP)["text_output"].startswith("Hello")
-    wait_idle(small_pool_server)
+    small_pool_server.wait_idle()
 
 
-def test_ensemble_grpc_refuses_a_wrongly_typed_tensor_naming_it(small_pool_server, wait_idle):
+def test_ensemble_grpc_refuses_a_wrongly_typed_tensor_naming_it(small_pool_server):
     result = small_pool_server.grpc_stream(
         "ensemble", {"text_input": "Hi", "max_tokens": np.array([3.0], dtype=np.float32)}
     )
     assert result.responses == [] and "max_tokens" in str(result.error)
     good = small_pool_server.grpc_stream("ensemble", {"text_input": "Hi", "max_tokens": np.array([2], np.int32)})
     assert good.error is None
-    wait_idle(small_pool_server)
+    small_pool_server.wait_idle()
 
 
 def _raw_json(settings: dict) -> bytes:
@@ -169,7 +166,7 @@ OPENAI_CASES = {
 
 
 @pytest.mark.parametrize("path, body, param", OPENAI_CASES.values(), ids=OPENAI_CASES.keys())
-def test_openai_shim_refuses_with_error_json_naming_the_param(shim_url, small_pool_server, wait_idle, path, body,
+def test_openai_shim_refuses_with_error_json_naming_the_param(shim_url, small_pool_server, path, body,
                                                               param):
     reply = httpx.post(f"{shim_url}{path}", content=_raw_json({"model": "tiny", **body}),
                        headers={"content-type": "application/json"}, timeout=60)
@@ -179,13 +176,12 @@ def test_openai_shim_refuses_with_error_json_naming_the_param(shim_url, small_po
     good = httpx.post(f"{shim_url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
                       timeout=60)
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    wait_idle(small_pool_server)
+    small_pool_server.wait_idle()
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path) -> LLMEngine:
-    return LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", block_size=4,
-                                     num_blocks=32, max_model_len=64)
+    return cpu_engine(tiny_llama_path, block_size=4, num_blocks=32, max_model_len=64)
 
 
 ENGINE_CASES = {

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pagedserve.client.launcher import openai_shim_running
 
 from pagedserve.testing import copy_with_bos_tokenizer
+from tests.support.servers import CPU_FP32, triton_running
 
 pytestmark = pytest.mark.slow
 
-PARAMS = {"device": "cpu", "dtype": "float32", "max_model_len": "256", "num_blocks": "64"}
+PARAMS = {**CPU_FP32, "max_model_len": "256", "num_blocks": "64"}
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
 
 
@@ -22,9 +22,9 @@ def bos_model(tiny_llama_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bos_shim(bos_model, tmp_path_factory, triton_starter):
-    with triton_starter(bos_model, tmp_path_factory.mktemp("bos-triton"), PARAMS, llm_only=True) as (_, running):
-        with openai_shim_running(running.grpc_url, running.metrics_url, "--model-name", "bos", timeout=60) as url:
+def bos_shim(bos_model, tmp_path_factory):
+    with triton_running(bos_model, tmp_path_factory.mktemp("bos-triton"), PARAMS, llm_only=True) as running:
+        with running.openai_shim("--model-name", "bos") as url:
             yield url
 
 

@@ -13,6 +13,8 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 
+from tests.support.engines import cpu_engine
+
 MAX_STEPS = 400  # far more than any accepted request needs at max_model_len 48; a liveness bound
 
 _junk = st.one_of(
@@ -50,8 +52,7 @@ _param_sets = st.one_of(
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_path) -> LLMEngine:
-    return LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", block_size=4,
-                                     num_blocks=64, max_model_len=48)
+    return cpu_engine(tiny_llama_path, block_size=4, num_blocks=64, max_model_len=48)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

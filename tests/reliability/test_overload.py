@@ -4,13 +4,13 @@ cancel or disconnect at random points leave the server serving with every block 
 
 from __future__ import annotations
 
-import queue
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import pytest
-import tritonclient.grpc as grpcclient
+
+from tests.support.servers import RunningTriton
+from tests.support.streams import GrpcStream, StreamResult
 
 pytestmark = pytest.mark.slow
 
@@ -19,79 +19,47 @@ CONCURRENCY = 64
 NUM_PROMPTS = 25
 MAX_TOKENS = 8
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
-ANSWER_TIMEOUT_SECONDS = 120
-
-
-@dataclass
-class Answer:
-    """What one streamed request got back."""
-
-    texts: list[str] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    finals: int = 0
-    error: str | None = None
 
 
 def _prompt(i: int) -> str:
     return f"Request {i}: the quick brown fox jumps over lazy dog {i * 7}"
 
 
-def _stream_worker(url: str, grpc_inputs, jobs: list[int]) -> dict[int, Answer]:
+def _stream_worker(url: str, jobs: list[int]) -> dict[int, StreamResult]:
     """Send `jobs` one after another on one gRPC stream, collecting every response of each."""
-    answers: dict[int, Answer] = {}
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    try:
+    results = {}
+    with GrpcStream(url) as stream:
         for job in jobs:
-            answer = answers[job] = Answer()
-            client.async_stream_infer("llm", grpc_inputs({
+            stream.send("llm", {
                 "text_input": _prompt(job % NUM_PROMPTS), "stream": True, "sampling_parameters": GREEDY,
                 "exclude_input_in_output": True, "return_num_output_tokens": True,
-            }), request_id=f"overload-{job}", enable_empty_final_response=True)
-            while True:
-                result, error = results.get(timeout=ANSWER_TIMEOUT_SECONDS)
-                if error is not None:
-                    answer.error = str(error)
-                    break
-                response = result.get_response()
-                assert response.id == f"overload-{job}"
-                if response.outputs:
-                    answer.texts.append(result.as_numpy("text_output")[0].decode())
-                    answer.counts.append(int(result.as_numpy("num_output_tokens")[0]))
-                if response.parameters["triton_final_response"].bool_param:
-                    answer.finals += 1
-                    break
-    finally:
-        client.stop_stream()
-        client.close()
-    return answers
+            }, request_id=f"overload-{job}")
+            results[job] = stream.collect()
+    return results
 
 
-def test_500_streams_at_concurrency_64_with_preemption_each_equal_their_solo_output(small_pool_server,
-                                                                                     wait_idle, make_inputs):
+def test_500_streams_at_concurrency_64_with_preemption_each_equal_their_solo_output(small_pool_server):
     solo = []
     for i in range(NUM_PROMPTS):
         result = small_pool_server.grpc_stream("llm", {"text_input": _prompt(i), "sampling_parameters": GREEDY,
-                                      "exclude_input_in_output": True})
+                                                       "exclude_input_in_output": True})
         assert result.error is None
         solo.append(result.texts()[0])
     preemptions_before = small_pool_server.metric("vllm:num_preemptions_total")
     jobs = [list(range(w, NUM_REQUESTS, CONCURRENCY)) for w in range(CONCURRENCY)]
     with ThreadPoolExecutor(max_workers=CONCURRENCY) as pool:
-        parts = list(pool.map(lambda js: _stream_worker(small_pool_server.grpc_url, make_inputs, js), jobs))
+        parts = list(pool.map(lambda js: _stream_worker(small_pool_server.grpc_url, js), jobs))
     answers = {job: answer for part in parts for job, answer in part.items()}
     assert sorted(answers) == list(range(NUM_REQUESTS))
     for job, answer in answers.items():
         assert answer.error is None, (job, answer.error)
-        assert answer.finals == 1
+        assert {r.get_response().id for r in answer.responses} == {f"overload-{job}"}
         # One response per token, in order: nothing lost, nothing duplicated (recomputation after a
         # preemption must not resend tokens).
-        assert answer.counts == list(range(1, MAX_TOKENS + 1)), (job, answer.counts)
-        assert "".join(answer.texts) == solo[job % NUM_PROMPTS], job
-    wait_idle(small_pool_server)
+        assert answer.counts() == list(range(1, MAX_TOKENS + 1)), (job, answer.counts())
+        assert "".join(answer.texts()) == solo[job % NUM_PROMPTS], job
+    small_pool_server.wait_idle()
     assert small_pool_server.metric("vllm:num_preemptions_total") > preemptions_before
-
 
 
 NUM_CANCELLING_CLIENTS = 100
@@ -99,31 +67,23 @@ CANCEL_CONCURRENCY = 25
 LONG = {"temperature": 0.0, "max_tokens": 60, "ignore_eos": True}
 
 
-def _cancelling_client(url: str, make_inputs, seed: int) -> None:
+def _cancelling_client(server: RunningTriton, seed: int) -> None:
     """Start a long stream, read a random number of tokens, then cancel it or just drop the connection."""
     rng = random.Random(seed)
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("llm", make_inputs({
+    stream = server.open_stream("llm", {
         "text_input": f"Client {seed} counts: one two three", "stream": True, "sampling_parameters": LONG,
-    }), request_id=f"cancel-{seed}", enable_empty_final_response=True)
+    }, request_id=f"cancel-{seed}")
     for _ in range(rng.randint(0, 6)):
-        result, error = results.get(timeout=ANSWER_TIMEOUT_SECONDS)
-        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+        if stream.next().final:
             break
-    if rng.random() < 0.5:
-        client.stop_stream(cancel_requests=True)
-    client.close()
+    stream.close(cancel=rng.random() < 0.5)
 
 
-def test_100_clients_cancelling_or_disconnecting_at_random_points_free_every_block(small_pool_server, wait_idle,
-                                                                                     make_inputs):
+def test_100_clients_cancelling_or_disconnecting_at_random_points_free_every_block(small_pool_server):
     generated_before = small_pool_server.metric("vllm:generation_tokens_total")
     with ThreadPoolExecutor(max_workers=CANCEL_CONCURRENCY) as pool:
-        list(pool.map(lambda seed: _cancelling_client(small_pool_server.grpc_url, make_inputs, seed),
-                      range(NUM_CANCELLING_CLIENTS)))
-    wait_idle(small_pool_server)
+        list(pool.map(lambda seed: _cancelling_client(small_pool_server, seed), range(NUM_CANCELLING_CLIENTS)))
+    small_pool_server.wait_idle()
     # The server keeps serving, and cancelled work was really cut short rather than run to the end.
     good = small_pool_server.grpc_stream("llm", {"text_input": "Still there?", "sampling_parameters": {"max_tokens": 3}})
     assert good.error is None and good.texts()[0].startswith("Still there?")

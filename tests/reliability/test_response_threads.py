@@ -10,11 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.support.servers import CPU_FP32, RunningTriton
+from tests.support.streams import StreamResult
+
 pytestmark = pytest.mark.slow
 
-THREADS_PARAMS = {
-    "device": "cpu",
-    "dtype": "float32",
+LLM_PARAMS = {
+    **CPU_FP32,
     "max_model_len": "1024",
     "max_num_seqs": "32",
     "response_threads": "3",
@@ -22,25 +24,18 @@ THREADS_PARAMS = {
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def threaded_server(tiny_llama_path, tmp_path_factory, triton_starter):
-    with triton_starter(tiny_llama_path, tmp_path_factory.mktemp("threads-triton"), THREADS_PARAMS,
-                        llm_only=True) as (_, running):
-        yield running
-
-
-def _run(running, prompt: str, stream: bool):
+def _run(running: RunningTriton, prompt: str, stream: bool) -> StreamResult:
     result = running.grpc_stream("llm", {"text_input": prompt, "stream": stream, "sampling_parameters": GREEDY,
                                          "exclude_input_in_output": True, "return_num_output_tokens": True})
     assert result.error is None, result.error
     return result
 
 
-def test_concurrent_streams_over_three_threads_each_equal_their_solo_output(threaded_server):
+def test_concurrent_streams_over_three_threads_each_equal_their_solo_output(llm_server):
     prompts = [f"Thread test {i}: a story about the number {i * 11}" for i in range(24)]
-    solo = ["".join(_run(threaded_server, p, False).texts()) for p in prompts]
+    solo = ["".join(_run(llm_server, p, False).texts()) for p in prompts]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        streamed = list(pool.map(lambda p: _run(threaded_server, p, True), prompts))
+        streamed = list(pool.map(lambda p: _run(llm_server, p, True), prompts))
     # In order and whole: the deltas concatenate to the solo text; one token per response, final flag last.
     assert ["".join(r.texts()) for r in streamed] == solo
     for result in streamed:
@@ -48,15 +43,15 @@ def test_concurrent_streams_over_three_threads_each_equal_their_solo_output(thre
         assert len(result.responses) == GREEDY["max_tokens"]
 
 
-def test_the_metrics_count_every_request_once_the_last_response_arrived(threaded_server):
+def test_the_metrics_count_every_request_once_the_last_response_arrived(llm_server):
     def tokens_total() -> float:
-        return threaded_server.metric("vllm:generation_tokens_total")
+        return llm_server.metric("vllm:generation_tokens_total")
 
     before = tokens_total()
     prompts = [f"Metrics test {i}: count the tokens of request {i}" for i in range(16)]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        results = list(pool.map(lambda p: _run(threaded_server, p, False), prompts))
+        results = list(pool.map(lambda p: _run(llm_server, p, False), prompts))
     # Read at once: thread 0 sends the step's metrics, and the other threads' final responses wait for them.
     assert tokens_total() - before == GREEDY["max_tokens"] * len(prompts)
-    assert threaded_server.metric("vllm:num_requests_running") == 0
-    assert [int(r.responses[-1].as_numpy("num_output_tokens")[0]) for r in results] == [GREEDY["max_tokens"]] * len(prompts)
+    assert llm_server.metric("vllm:num_requests_running") == 0
+    assert [r.counts()[-1] for r in results] == [GREEDY["max_tokens"]] * len(prompts)

@@ -9,6 +9,8 @@ import pytest
 from pagedserve.client.bench import RequestResult, arrival_delays, make_workload, summarize
 from pagedserve.client.cli import main
 
+NUM_PROMPTS = 6
+
 
 def test_workload_is_seeded_and_lengths_stay_in_bounds():
     first = make_workload(50, seed=3, input_len=32, output_len=16, max_input_len=64, max_output_len=20)
@@ -44,13 +46,27 @@ def test_summary_percentiles_and_throughput():
 
 @pytest.mark.slow
 def test_bench_against_triton_generates_exactly_the_requested_tokens(triton_server, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
     out = tmp_path / "bench.json"
-    code = main(["bench", "--backend", "triton", "--url", triton_server.grpc_url, "--num-prompts", "6",
+    code = main(["bench", "--backend", "triton", "--url", triton_server.grpc_url, "--num-prompts", str(NUM_PROMPTS),
                  "--input-len", "16", "--output-len", "6", "--max-input-len", "64", "--max-output-len", "12",
                  "--request-rate", "20", "--seed", "5", "--no-progress", "--output", str(out)])
     table = capsys.readouterr().out
-    assert code == 0 and "TTFT" in table and "6/6 ok" in table
+    assert code == 0 and "TTFT" in table and f"{NUM_PROMPTS}/{NUM_PROMPTS} ok" in table
     summary = json.loads(out.read_text())
-    expected = sum(w.output_len for w in make_workload(6, 5, 16, 6, 64, 12))
-    assert summary["output_tokens"] == expected
-    assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["p50"] > 0
+    workload = make_workload(NUM_PROMPTS, 5, 16, 6, 64, 12)
+    assert (summary["num_requests"], summary["completed"], summary["failed"], summary["errors"]) == (
+        NUM_PROMPTS, NUM_PROMPTS, 0, [])
+    # ignore_eos: each request generates exactly its drawn length; its prompt is as long as the tokenizer says.
+    assert summary["output_tokens"] == sum(w.output_len for w in workload)
+    tokenizer = AutoTokenizer.from_pretrained(triton_server.model_path)
+    assert summary["prompt_tokens"] == sum(len(tokenizer(w.prompt).input_ids) for w in workload)
+    duration = summary["duration_s"]
+    assert summary["output_throughput"] == pytest.approx(summary["output_tokens"] / duration)
+    assert summary["request_throughput"] == pytest.approx(NUM_PROMPTS / duration)
+    ttft, itl, e2e = summary["ttft_ms"], summary["itl_ms"], summary["e2e_ms"]
+    for stats in (ttft, itl, e2e):
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] <= duration * 1000, stats
+    # Each request's first token comes before its end, so every TTFT statistic is below e2e's.
+    assert all(ttft[key] < e2e[key] for key in ("mean", "p50", "p90", "p99")), (ttft, e2e)

@@ -25,7 +25,7 @@ def test_http_generate_stream_through_the_ensemble_is_byte_exact(triton_server, 
     whole = triton_server.generate("ensemble", body)
     assert events
     assert "".join(e["text_output"] for e in events) == whole["text_output"]
-    sampling = json.dumps({"max_tokens": 24, "temperature": 1.0, "seed": len(prompt)})
+    sampling = {"max_tokens": 24, "temperature": 1.0, "seed": len(prompt)}
     llm = triton_server.generate(
         "llm", {"text_input": prompt, "sampling_parameters": sampling, "exclude_input_in_output": True}
     )
@@ -40,7 +40,7 @@ def test_end_id_ends_the_ensemble_text_before_that_token_like_the_llm_text(trito
     ids = json.loads(triton_server.generate("llm", {**greedy, "return_logprobs": True, "logprobs": 0})["logprobs"])
     end_id = ids[4]["token_id"]
     cut = [e["token_id"] for e in ids].index(end_id)
-    llm = triton_server.generate("llm", {**greedy, "sampling_parameters": json.dumps({"stop_token_ids": [end_id]}),
+    llm = triton_server.generate("llm", {**greedy, "sampling_parameters": {"stop_token_ids": [end_id]},
                                          "return_finish_reason": True})
     assert llm["finish_reason"] == "stop" and llm["num_output_tokens"] == cut + 1
     # The end token's text is left out (as vLLM and TensorRT-LLM do), through the ensemble too, streamed or not.

@@ -21,8 +21,7 @@ def test_grpc_stream_sends_one_response_per_token_and_final_flag_on_the_last(tri
     )
     assert result.error is None
     assert len(result.responses) == GREEDY["max_tokens"]
-    counts = [int(r.as_numpy("num_output_tokens")[0]) for r in result.responses]
-    assert counts == list(range(1, GREEDY["max_tokens"] + 1))
+    assert result.counts() == list(range(1, GREEDY["max_tokens"] + 1))
     assert result.finals() == [False] * (GREEDY["max_tokens"] - 1) + [True]
     assert result.texts("finish_reason") == [""] * (GREEDY["max_tokens"] - 1) + ["length"]
 
@@ -62,8 +61,7 @@ def test_http_generate_stream_deltas_equal_the_generate_text(triton_server):
 def test_n_returns_n_completions_in_one_response(triton_server):
     answer = triton_server.generate("llm", {
         "text_input": "Numbers", "exclude_input_in_output": True, "return_num_output_tokens": True,
-        "sampling_parameters": json.dumps({"n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5,
-                                           "ignore_eos": True}),
+        "sampling_parameters": {"n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 5, "ignore_eos": True},
     })
     assert isinstance(answer["text_output"], list) and len(answer["text_output"]) == 3
     assert answer["num_output_tokens"] == [5, 5, 5]
@@ -144,17 +142,13 @@ def _wait_for(condition, timeout: float = 60.0) -> bool:
 def test_stop_stream_with_cancel_ends_the_request_and_frees_its_kv_blocks(triton_server):
     before = triton_server.metric("vllm:generation_tokens_total")
     max_tokens = 200
-    client, answers = triton_server.open_stream("llm", {
+    with triton_server.open_stream("llm", {
         "text_input": "Count with me:", "stream": True,
         "sampling_parameters": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
-    })
-    try:
+    }) as stream:
         for _ in range(3):
-            result, error = answers.get(timeout=60)
-            assert error is None
-        client.stop_stream(cancel_requests=True)
-    finally:
-        client.close()
+            assert stream.next(timeout=60).error is None
+        stream.close(cancel=True)
     assert _wait_for(lambda: triton_server.metric("vllm:num_requests_running") == 0
                      and triton_server.metric("vllm:kv_cache_usage_perc") == 0.0
                      and triton_server.metric("vllm:generation_tokens_total") - before >= 3)
@@ -171,25 +165,14 @@ def test_cancelling_one_of_several_streams_ends_only_that_one(triton_server):
         "text_input": f"Stream {i} counts:", "stream": True, "return_num_output_tokens": True,
         "sampling_parameters": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
     }) for i in range(4)]
-    victim, victim_answers = streams[0]
-    try:
-        assert victim_answers.get(timeout=60)[1] is None
-        victim.stop_stream(cancel_requests=True)
-    finally:
-        victim.close()
-    for client, answers in streams[1:]:
-        try:
-            counts = []
-            while True:
-                result, error = answers.get(timeout=60)
-                assert error is None
-                if result.get_response().outputs:
-                    counts.append(int(result.as_numpy("num_output_tokens")[0]))
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    break
-        finally:
-            client.close()
-        assert counts == list(range(1, max_tokens + 1))
+    with streams[0] as victim:
+        assert victim.next(timeout=60).error is None
+        victim.close(cancel=True)
+    for stream in streams[1:]:
+        with stream:
+            result = stream.collect(timeout=60)
+        assert result.error is None
+        assert result.counts() == list(range(1, max_tokens + 1))
     assert _wait_for(lambda: triton_server.metric("vllm:num_requests_running") == 0
                      and triton_server.metric("vllm:kv_cache_usage_perc") == 0.0)
     # The three survivors ran to the end; the cancelled one stopped short of it.
@@ -214,13 +197,13 @@ def test_genai_perf_vllm_payload_with_string_numbers_is_served(triton_server):
     # genai-perf --backend vllm --endpoint-type kserve --streaming --output-tokens-mean 32: its exact inputs.
     result = triton_server.grpc_stream("llm", {
         "text_input": "Tell me a story.", "stream": True, "exclude_input_in_output": True,
-        "sampling_parameters": json.dumps({"max_tokens": "32", "min_tokens": "32"}),
+        "sampling_parameters": {"max_tokens": "32", "min_tokens": "32"},
         "return_num_output_tokens": True,
     })
     assert result.error is None, result.error
-    assert int(result.responses[-1].as_numpy("num_output_tokens")[0]) == 32
+    assert result.counts()[-1] == 32
     refused = triton_server.grpc_stream("llm", {
-        "text_input": "Tell me a story.", "sampling_parameters": json.dumps({"max_tokens": "thirty-two"})})
+        "text_input": "Tell me a story.", "sampling_parameters": {"max_tokens": "thirty-two"}})
     assert refused.responses == [] and "max_tokens must be an integer, got 'thirty-two'" in str(refused.error)
     # The HTTP generate endpoint's extra fields are converted the same way.
     body = {"text_input": "Hi", "max_tokens": "4", "min_tokens": "4", "temperature": "0",
