@@ -66,6 +66,26 @@ def build_tokenizer() -> Any:
     return hf
 
 
+# Per-architecture config fields that keep the tiny model the plain variant our runner serves.
+_ARCH_EXTRAS: dict[str, dict[str, Any]] = {
+    "llama": {"attention_bias": False},
+    "mistral": {"sliding_window": None},
+    "qwen2": {"use_sliding_window": False},
+}
+
+
+def _widen_init(model: Any) -> None:
+    """A wider init than the default 0.02 keeps greedy argmax margins large, so fp32 parity is stable."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif param.dim() > 1:
+                param.normal_(0.0, 0.2 if "embed" in name or "lm_head" in name else 0.1)
+
+
 def make_tiny_model(
     path: str | Path,
     arch: str = "llama",
@@ -98,21 +118,11 @@ def make_tiny_model(
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(path)
     _ensure_chat_template_in_config(path)
-
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    eot_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
+    eos_id, eot_id, bos_id = (tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, END_OF_TEXT, BOS_TOKEN))
     rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
         rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
     config_cls_name, model_cls_name = _ARCHITECTURES[arch]
-    extra: dict[str, Any] = {}
-    if arch == "llama":
-        extra["attention_bias"] = False
-    if arch == "mistral":
-        extra["sliding_window"] = None
-    if arch == "qwen2":
-        extra["use_sliding_window"] = False
     config = getattr(transformers, config_cls_name)(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -127,18 +137,20 @@ def make_tiny_model(
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=eot_id,
-        **extra,
+        **_ARCH_EXTRAS.get(arch, {}),
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls_name)(config)
-    # A wider init than the default 0.02 keeps greedy argmax margins large, so fp32 parity is stable.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.5)
-            elif param.dim() > 1:
-                param.normal_(0.0, 0.2 if "embed" in name or "lm_head" in name else 0.1)
+    _widen_init(model)
     model.to(getattr(torch, dtype))
+    _save(model, path, bos_id, eos_id, eot_id, max_shard_size)
+    return path
+
+
+def _save(model: Any, path: Path, bos_id: int, eos_id: int, eot_id: int, max_shard_size: str | None) -> None:
+    """Write the weights (sharded when `max_shard_size` is given) and a generation config ending on eos or eot."""
+    import transformers
+
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=bos_id, eos_token_id=[eos_id, eot_id], pad_token_id=eot_id
     )
@@ -146,7 +158,6 @@ def make_tiny_model(
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(path, **kwargs)
-    return path
 
 
 def _ensure_chat_template_in_config(path: Path) -> None:
