@@ -28,7 +28,7 @@ mkdir -p "$OUT"
 
 # pagedserve maps its sub-packages onto top-level folders (pyproject package-dir); without an install,
 # a folder of symlinks on PYTHONPATH gives the same import names.
-if ! (cd / && "$PY" -c "import pagedserve.kernels.ops" 2>/dev/null); then
+if ! (cd / && "$PY" -c "import pagedserve.kernels.dispatch" 2>/dev/null); then
     SHIM="$(mktemp -d)"
     mkdir -p "$SHIM/pagedserve"
     cp "$REPO/pagedserve/__init__.py" "$SHIM/pagedserve/"

@@ -1,1 +1,25 @@
-"""Triton-language kernels, each beside its torch reference."""
+"""The engine's kernels, one folder per op: its public entry, torch reference, Triton and CPU kernels.
+
+Each entry picks its implementation per call (`dispatch.backend_for`); the engine imports them from here.
+"""
+
+from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.attention import paged_attention
+from pagedserve.kernels.cache import copy_blocks, reshape_and_cache
+from pagedserve.kernels.norm import rms_norm
+from pagedserve.kernels.rope import compute_cos_sin_cache, rotary_embedding, rotary_embedding_and_cache
+from pagedserve.kernels.sampling import logsumexp, sample_from_logits, to_float32
+
+__all__ = [
+    "compute_cos_sin_cache",
+    "copy_blocks",
+    "logsumexp",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_embedding_and_cache",
+    "sample_from_logits",
+    "silu_and_mul",
+    "to_float32",
+]

@@ -11,7 +11,7 @@ import sys
 # Runs in a fresh interpreter: here the kernels were decorated for TRITON_INTERPRET and cannot compile.
 _SCRIPT = """
 import json, torch
-from pagedserve.kernels import attention_triton
+from pagedserve.kernels.attention import triton as attention_triton
 from pagedserve.kernels.aot import compile_launch, record_launches
 
 def batch(lens, hq=32, hkv=8, d=128, bs=16):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import attention_cpu, cpu_native, ops, reference
+from pagedserve.kernels import native
+from pagedserve.kernels.attention import cpu as attention_cpu
 
-from .test_paged_attention import (
+from .checks import needs_native
+from .test_attention import (
     BF16_TOL,
     DECODES,
     FP32_TOL,
@@ -14,8 +16,6 @@ from .test_paged_attention import (
     make_batch,
     per_sequence_attention,
 )
-
-needs_native = pytest.mark.skipif(cpu_native.load() is None, reason="no C++ compiler for the native kernel")
 
 
 @needs_native
@@ -62,43 +62,26 @@ def test_native_decode_writes_into_a_given_out_tensor():
     torch.testing.assert_close(out, per_sequence_attention(batch), **FP32_TOL)
 
 
-def test_cpu_tensors_in_auto_mode_take_the_cpu_attention(monkeypatch):
-    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
-    calls = []
-    real = attention_cpu.paged_attention
-    monkeypatch.setattr(attention_cpu, "paged_attention", lambda *a: calls.append(1) or real(*a))
-    batch = make_batch(MIXED, 2, 2, 64, 16)
-    torch.testing.assert_close(ops.paged_attention(*batch.args()), per_sequence_attention(batch), **FP32_TOL)
-    assert calls == [1]
-
-
-def test_forcing_torch_keeps_the_pure_reference(monkeypatch):
-    monkeypatch.setenv("PAGEDSERVE_KERNELS", "torch")
-    monkeypatch.setattr(attention_cpu, "paged_attention", lambda *a: pytest.fail("cpu attention called"))
-    batch = make_batch(DECODES, 2, 2, 64, 16)
-    torch.testing.assert_close(ops.paged_attention(*batch.args()), reference.paged_attention(*batch.args()))
-
-
 def test_without_a_compiler_the_cpu_attention_falls_back_to_the_reference(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_native, "_library", None)
-    monkeypatch.setattr(cpu_native, "_load_failed", False)
-    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_load_failed", False)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     batch = make_batch(MIXED, 2, 2, 64, 16)
-    assert cpu_native.load() is None
+    assert native.load() is None
     torch.testing.assert_close(attention_cpu.paged_attention(*batch.args()), per_sequence_attention(batch),
                                **FP32_TOL)
 
 
 def test_native_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_native, "_library", None)
-    monkeypatch.setattr(cpu_native, "_load_failed", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_load_failed", False)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
-    if cpu_native.load() is None:
+    if native.load() is None:
         pytest.skip("no C++ compiler for the native kernel")
     built = list((tmp_path / "kernels").glob("pagedserve_cpu-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(cpu_native, "_library", None)
-    assert cpu_native.load() is not None
+    monkeypatch.setattr(native, "_library", None)
+    assert native.load() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt

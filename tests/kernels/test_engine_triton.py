@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
-from pagedserve.kernels import attention_triton
+from pagedserve.kernels.attention import triton as attention_triton
+
+from .checks import spy
 
 PROMPTS = [[5, 17, 33, 90, 41, 7, 250, 3, 64], [12, 8, 300, 77, 19, 45, 101, 6, 222, 13, 58, 91, 140, 2, 31]]
 MAX_NEW_TOKENS = 6
@@ -22,9 +24,7 @@ def _transformers_greedy(path, prompt_ids: list[int]) -> list[int]:
 
 
 def test_engine_on_triton_kernels_matches_transformers_greedy(tiny_llama_path, monkeypatch):
-    launches = []
-    real = attention_triton.paged_attention
-    monkeypatch.setattr(attention_triton, "paged_attention", lambda *a, **k: launches.append(1) or real(*a, **k))
+    launches = spy(monkeypatch, attention_triton, "paged_attention")
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
     # A small token budget chunks the longer prompt, so steps mix a prefill chunk with a decode.
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", block_size=16,

@@ -1,14 +1,15 @@
 // Sampling over fp32 logits rows for the CPU path: an inverse-CDF draw and the row's log-sum-exp in three
-// passes over one row (max; exp and block sums; search), where torch makes five full-size temporaries.
+// passes over one row (max; exp and block sums; search), where torch makes five full-size temporaries;
+// and the exact bf16 -> fp32 widening of the logits.
 //
-// Semantics follow backend/sampler.py: probs = exp((x - max) / T), tokens below min_p * max prob (the max
-// prob is 1 here) are dropped, the token is the first whose running sum exceeds u * total, and the
-// returned normaliser is max / T + log(total). -inf logits (top-k/top-p masks) get probability 0.
+// Semantics follow kernels/sampling/reference.py: probs = exp((x - max) / T), tokens below min_p * max
+// prob (the max prob is 1 here) are dropped, the token is the first whose running sum exceeds u * total,
+// and the returned normaliser is max / T + log(total). -inf logits (top-k/top-p masks) get probability 0.
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include "cpu_common.h"
+#include "../native/cpu_common.h"
 
 namespace {
 
@@ -100,6 +101,13 @@ int pagedserve_logsumexp(const float* logits, float* lse, int64_t rows, int64_t 
     for (int64_t i = 0; i < vocab; ++i) total += probs[i];
     lse[r] = static_cast<float>(row_max + std::log(total));
   }
+  return 0;
+}
+
+// bf16 -> fp32 widening of n contiguous values (the logits), exact.
+int pagedserve_bf16_to_float(const void* src, float* dst, int64_t n) {
+  const uint16_t* in = static_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = pagedserve::bf16_to_float(in[i]);
   return 0;
 }
 

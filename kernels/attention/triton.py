@@ -1,6 +1,6 @@
 """Paged attention in Triton: one kernel for prefill chunks and decodes, plus a split-K decode variant.
 
-Layouts follow kernels/ops.py. A program owns one KV head and a tile of BLOCK_M rows; a row is one
+Layouts as in kernels.attention.paged_attention. A program owns one KV head and a tile of BLOCK_M rows; a row is one
 (query token, query head of that KV head's group), so a K/V tile loaded once serves the whole GQA group.
 Every address that involves a block id or a token index is computed in int64.
 """
@@ -8,6 +8,7 @@ Every address that involves a block id or a token index is computed in int64.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -307,74 +308,97 @@ def _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, se
     assert cu_seqlens_q.numel() == seq_lens.numel() + 1 == block_tables.shape[0] + 1, "batch sizes differ"
 
 
-def paged_attention(
-    query: torch.Tensor,  # [T, Hq, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # [S, max_blocks] int32
-    cu_seqlens_q: torch.Tensor,  # [S + 1] int32
-    seq_lens: torch.Tensor,  # [S] int32
-    scale: float,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    out: torch.Tensor | None = None,  # [T, Hq, D]
-    num_splits: int | None = None,  # decode-only batches: None = heuristic; tests force it
-) -> torch.Tensor:
-    """Launch the unified kernel, or the split-K decode kernels when every sequence decodes one token."""
-    _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_seqs = seq_lens.numel()
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    if out is None:
-        out = torch.empty_like(query)
-    assert out.shape == query.shape and out.stride(-1) == 1, "out must match query with unit last stride"
-    if num_tokens == 0:
-        return out
-    head_pad = max(16, triton.next_power_of_2(head_dim))
-    dot_dtype = _dot_dtype(key_cache.dtype)
-    precision = "ieee" if dot_dtype == tl.float32 else "tf32"
-    qk_scale = scale * _LOG2E
-    kv_strides = (*key_cache.stride()[:3], *value_cache.stride()[:3])
-    decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    """One call's tensors and what its kernel launches share: layout sizes, log2-domain scale, dot settings."""
 
-    if decode_only and num_splits is None:
-        num_splits = _num_decode_splits(num_seqs, num_kv_heads, max_seqlen_k, query.device)
-    if decode_only and num_splits > 1:
-        num_splits = triton.next_power_of_2(num_splits)
-        block_n = _block_n(max_seqlen_k, head_pad)
+    out: torch.Tensor
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    qk_scale: float
+    head_pad: int
+    dot_dtype: tl.dtype
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.query.shape[1] // self.key_cache.shape[2]
+
+    def strides(self) -> tuple[int, ...]:
+        """The kernels' stride arguments after the query's: K's and V's block/slot/head, the block table's."""
+        return (*self.key_cache.stride()[:3], *self.value_cache.stride()[:3], self.block_tables.stride(0))
+
+    def constexprs(self) -> dict:
+        """The constexpr arguments both attention kernels take."""
+        return dict(GROUP=self.group, HEAD_DIM=self.query.shape[2], HEAD_PAD=self.head_pad,
+                    BLOCK_SIZE=self.key_cache.shape[1], DOT_DTYPE=self.dot_dtype,
+                    DOT_PRECISION="ieee" if self.dot_dtype == tl.float32 else "tf32")
+
+    def split_decode(self, max_seqlen_k: int, num_splits: int) -> None:
+        """One decode token per sequence, its context cut into num_splits (a power of two) slices, reduced."""
+        query, out = self.query, self.out
+        num_seqs, num_q_heads = query.shape[0], query.shape[1]
+        block_n = _block_n(max_seqlen_k, self.head_pad)
         keys_per_split = triton.cdiv(triton.cdiv(max_seqlen_k, num_splits), block_n) * block_n
-        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_pad, dtype=torch.float32,
+        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, self.head_pad, dtype=torch.float32,
                                device=query.device)
         part_ml = torch.empty(num_seqs, num_q_heads, num_splits, 2, dtype=torch.float32, device=query.device)
-        _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-            part_acc, part_ml, query, key_cache, value_cache, block_tables, seq_lens,
-            keys_per_split, qk_scale, query.stride(0), query.stride(1), *kv_strides, block_tables.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-            BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION=precision, num_warps=4, num_stages=2,
+        _split_decode_kernel[(num_seqs, self.key_cache.shape[2], num_splits)](
+            part_acc, part_ml, query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+            keys_per_split, self.qk_scale, query.stride(0), query.stride(1), *self.strides(),
+            BLOCK_M=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            **self.constexprs(), num_warps=4, num_stages=2,
         )
         _split_reduce_kernel[(num_seqs, num_q_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-            num_warps=8 if num_splits * head_pad >= 8192 else 4,
+            HEAD_DIM=query.shape[2], HEAD_PAD=self.head_pad, NUM_SPLITS=num_splits,
+            num_warps=8 if num_splits * self.head_pad >= 8192 else 4,
         )
-        return out
 
-    # Long prefill chunks get the big tiles that keep tensor cores busy; decodes fill 16 rows at most.
-    # Head sizes above 128 keep 64-row tiles and two stages so K/V tiles fit in shared memory.
-    big_tiles = not decode_only and max_seqlen_q >= 256 and head_pad <= 128
-    block_m = 16 if decode_only else (128 if big_tiles else 64)
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
-    block_n = _block_n(max_seqlen_k, head_pad)
-    num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads)](
-        out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, num_seqs, qk_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_strides, block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=8 if big_tiles or (head_pad > 128 and not decode_only) else 4,
-        num_stages=3 if big_tiles else 2,
-    )
+    def unified(self, max_seqlen_q: int, max_seqlen_k: int, decode_only: bool) -> None:
+        """Prefill chunks and decodes in one launch over (query tile, KV head)."""
+        query, out = self.query, self.out
+        num_tokens, num_seqs = query.shape[0], self.seq_lens.numel()
+        # Long prefill chunks get the big tiles that keep tensor cores busy; decodes fill 16 rows at most.
+        # Head sizes above 128 keep 64-row tiles and two stages so K/V tiles fit in shared memory.
+        big_tiles = not decode_only and max_seqlen_q >= 256 and self.head_pad <= 128
+        block_m = 16 if decode_only else (128 if big_tiles else 64)
+        block_m = max(block_m, triton.next_power_of_2(self.group))
+        block_q = block_m // self.group
+        num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
+        _paged_attention_kernel[(num_q_tiles, self.key_cache.shape[2])](
+            out, query, self.key_cache, self.value_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
+            num_seqs, self.qk_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *self.strides(),
+            BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_block_n(max_seqlen_k, self.head_pad), **self.constexprs(),
+            num_warps=8 if big_tiles or (self.head_pad > 128 and not decode_only) else 4,
+            num_stages=3 if big_tiles else 2,
+        )
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """kernels.attention.paged_attention: the unified kernel, or the split-K decode kernels when every
+    sequence decodes one token (num_splits: None = heuristic; tests force it)."""
+    _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(-1) == 1, "out must match query with unit last stride"
+    num_tokens, num_seqs = query.shape[0], seq_lens.numel()
+    if num_tokens == 0:
+        return out
+    launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale * _LOG2E,
+                     max(16, triton.next_power_of_2(query.shape[2])), _dot_dtype(key_cache.dtype))
+    decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
+    if decode_only and num_splits is None:
+        num_splits = _num_decode_splits(num_seqs, key_cache.shape[2], max_seqlen_k, query.device)
+    if decode_only and num_splits > 1:
+        launch.split_decode(max_seqlen_k, triton.next_power_of_2(num_splits))
+    else:
+        launch.unified(max_seqlen_q, max_seqlen_k, decode_only)
     return out

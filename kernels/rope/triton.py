@@ -1,7 +1,4 @@
-"""Row-wise Triton kernels: neox rotary embedding, RMSNorm with fused residual add, SiLU-and-mul.
-
-Each rounds intermediate results to the input dtype where transformers does, so bf16 outputs match it.
-"""
+"""Neox rotary embedding in Triton, rounding each product to the input dtype where transformers does."""
 
 from __future__ import annotations
 
@@ -74,62 +71,10 @@ def _rotary_kernel(
                   NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
 
 
-@triton.jit
-def _rms_norm_kernel(
-    out_ptr,  # [T, H]
-    residual_out_ptr,  # [T, H] x + residual (unused without residual)
-    x_ptr,  # [T, H]
-    residual_ptr,  # [T, H] (unused without residual)
-    weight_ptr,  # [H]
-    eps,
-    stride_x, stride_r, stride_o, stride_ro,
-    HIDDEN: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    """Grid (T,): one row's (fused residual add and) RMSNorm, statistics in fp32."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    dtype = x.dtype
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
-    normed = (h * inv_rms).to(dtype).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
-
-@triton.jit
-def _silu_and_mul_kernel(
-    out_ptr,  # [T, I]
-    x_ptr,  # [T, 2I] rows [gate | up]
-    stride_x, stride_o,
-    INTERMEDIATE,
-    BLOCK: tl.constexpr,
-):
-    """Grid (T, cdiv(I, BLOCK)): silu(gate) rounded to the dtype, times up."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < INTERMEDIATE
-    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + INTERMEDIATE + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
-
-
-def rotary_embedding(
-    positions: torch.Tensor,  # [T] int64
-    query: torch.Tensor,  # [T, Hq, D]
-    key: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, D]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary embedding; returns new contiguous (query, key)."""
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.rope.rotary_embedding: one program per token; returns new contiguous (query, key)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     assert query.stride(-1) == 1 and key.stride(-1) == 1, "query/key need unit last stride"
@@ -153,38 +98,3 @@ def rotary_embedding(
     )
     return q_out, k_out
 
-
-def rms_norm(
-    x: torch.Tensor,  # [T, H]
-    weight: torch.Tensor,  # [H]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [T, H]
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm; with residual returns (norm(x + residual), x + residual)."""
-    assert x.dim() == 2 and x.stride(-1) == 1, "x must be [T, H] with unit last stride"
-    assert weight.shape == (x.shape[1],) and weight.is_contiguous(), "weight must be [H] contiguous"
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_in = residual if residual is not None else x
-    res_out = torch.empty_like(out) if residual is not None else out
-    assert res_in.shape == x.shape and res_in.stride(-1) == 1, "residual must be [T, H] like x"
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](
-            out, res_out, x, res_in, weight, eps,
-            x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-            HIDDEN=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]),
-            HAS_RESIDUAL=residual is not None, num_warps=8,
-        )
-    return out if residual is None else (out, res_out)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """silu(gate) * up over the two halves of the last dimension."""
-    assert x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0, "x must be [T, 2I]"
-    intermediate = x.shape[1] // 2
-    out = torch.empty(x.shape[0], intermediate, dtype=x.dtype, device=x.device)
-    if x.shape[0]:
-        block = min(1024, triton.next_power_of_2(intermediate))
-        _silu_and_mul_kernel[(x.shape[0], triton.cdiv(intermediate, block))](
-            out, x, x.stride(0), out.stride(0), intermediate, BLOCK=block, num_warps=4,
-        )
-    return out

@@ -1,4 +1,4 @@
-"""Torch references of every kernel; batched over the whole step, they are also the engine's CPU path."""
+"""The batched torch reference of paged attention: the oracle, and the CPU path where no native kernel serves."""
 
 from __future__ import annotations
 
@@ -10,27 +10,6 @@ import torch.nn.functional as F
 _local = threading.local()
 # SDPA's enable_gqa (torch >= 2.5) lets a whole fresh prompt use the causal kernel without expanding K/V.
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def reshape_and_cache(
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not write
-) -> None:
-    """Write each token's K/V into its slot of the paged cache; slot -1 is skipped."""
-    num_slots = key_cache.shape[0] * key_cache.shape[1]
-    flat_k = key_cache.view(num_slots, *key_cache.shape[2:])
-    flat_v = value_cache.view(num_slots, *value_cache.shape[2:])
-    keep = slot_mapping >= 0
-    # Padding slots (-1) are rare; avoid the boolean-index host sync when there are none.
-    if bool(keep.all()):
-        slots, k, v = slot_mapping, key, value
-    else:
-        slots, k, v = slot_mapping[keep], key[keep], value[keep]
-    flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
-    flat_v.index_copy_(0, slots, v.to(flat_v.dtype))
 
 
 def _token_coordinates(cu_seqlens_q: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,23 +144,41 @@ def _chunk_attention(
     return o[seq_idx, pos_in_chunk].reshape(num_tokens, num_q_heads, head_dim)
 
 
-def paged_attention(
-    query: torch.Tensor,  # [T, Hq, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    block_tables: torch.Tensor,  # [S, max_blocks] int32
-    cu_seqlens_q: torch.Tensor,  # [S + 1] int32
-    seq_lens: torch.Tensor,  # [S] int32, context length including this step's tokens
+def _mixed_attention(
+    query: torch.Tensor,  # [T, Hq, D], decodes and prefill chunks interleaved
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int64
+    seq_lens: torch.Tensor,  # [S] int64
     scale: float,
     max_seqlen_q: int,
-    max_seqlen_k: int,
-    out: torch.Tensor | None = None,  # [T, Hq, D]
-) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its paged K/V, batched over all sequences.
+    q_lens: torch.Tensor,  # [S] int64
+    is_decode: torch.Tensor,  # [S] bool, q_lens == 1
+) -> torch.Tensor:  # -> [T, Hq, D]
+    """Decodes and prefill chunks in two batches (one K/V gather each): decodes are not padded to a chunk."""
+    num_tokens = query.shape[0]
+    result = torch.empty_like(query)
+    dec = is_decode.nonzero().squeeze(1)
+    dec_tokens = cu_seqlens_q[dec]
+    result[dec_tokens] = _decode_attention(
+        query[dec_tokens], key_cache, value_cache, block_tables[dec], seq_lens[dec], scale,
+        int(seq_lens[dec].max()),
+    )
+    pre = (~is_decode).nonzero().squeeze(1)
+    pre_token_mask = ~is_decode.repeat_interleave(q_lens, output_size=num_tokens)
+    pre_cu = torch.nn.functional.pad(q_lens[pre].cumsum(0), (1, 0))
+    result[pre_token_mask] = _chunk_attention(
+        query[pre_token_mask], key_cache, value_cache, block_tables[pre], pre_cu, seq_lens[pre],
+        scale, max_seqlen_q, int(seq_lens[pre].max()),
+    )
+    return result
 
-    Decodes and prefill chunks go in two batches (one K/V gather each), so decodes are never padded to
-    the longest chunk of the step.
-    """
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.attention.paged_attention batched over all sequences in torch (layouts there)."""
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     seq_lens = seq_lens.long()
     cu_seqlens_q = cu_seqlens_q.long()
@@ -197,100 +194,9 @@ def paged_attention(
             result = _chunk_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                                       scale, max_seqlen_q, max_seqlen_k)
         else:
-            result = torch.empty_like(query)
-            dec = is_decode.nonzero().squeeze(1)
-            dec_tokens = cu_seqlens_q[dec]
-            result[dec_tokens] = _decode_attention(
-                query[dec_tokens], key_cache, value_cache, block_tables[dec], seq_lens[dec], scale,
-                int(seq_lens[dec].max()),
-            )
-            pre = (~is_decode).nonzero().squeeze(1)
-            pre_token_mask = ~is_decode.repeat_interleave(q_lens, output_size=num_tokens)
-            pre_cu = torch.nn.functional.pad(q_lens[pre].cumsum(0), (1, 0))
-            result[pre_token_mask] = _chunk_attention(
-                query[pre_token_mask], key_cache, value_cache, block_tables[pre], pre_cu, seq_lens[pre],
-                scale, max_seqlen_q, int(seq_lens[pre].max()),
-            )
+            result = _mixed_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                      max_seqlen_q, q_lens, is_decode)
     if out is None:
         return result
     out.copy_(result)
     return out
-
-
-def rotary_embedding(
-    positions: torch.Tensor,  # [T] int64
-    query: torch.Tensor,  # [T, Hq, D]
-    key: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # [max_pos, D] rows [cos(D/2) | sin(D/2)]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary embedding of query and key (new tensors), as transformers' Llama applies it."""
-    cos, sin = cos_sin_cache[positions].to(query.dtype).chunk(2, dim=-1)  # [T, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-    return rotate(query), rotate(key)
-
-
-def rms_norm(
-    x: torch.Tensor,  # [T, H]
-    weight: torch.Tensor,  # [H]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [T, H]
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm computed in fp32 like transformers; with residual, returns (norm(x + residual), x + residual)."""
-    if residual is not None:
-        x = x + residual
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, x)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: [T, 2I] -> [T, I]
-    """SiLU of the first half (gate) times the second half (up)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def copy_blocks(
-    key_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, Hkv, D]
-    value_caches: list[torch.Tensor],
-    block_mapping: list[tuple[int, int]],  # (src, dst) block ids
-) -> None:
-    """Copy whole blocks src -> dst in every layer's K and V cache (copy-on-write)."""
-    if not block_mapping:
-        return
-    device = key_caches[0].device
-    src = torch.tensor([s for s, _ in block_mapping], dtype=torch.long, device=device)
-    dst = torch.tensor([d for _, d in block_mapping], dtype=torch.long, device=device)
-    for cache in (*key_caches, *value_caches):
-        cache.index_copy_(0, dst, cache.index_select(0, src))
-
-
-def sample_from_logits(
-    logits: torch.Tensor,  # [R, V] fp32, -inf where masked
-    inv_temps: torch.Tensor,  # [R] 1 / temperature
-    min_ps: torch.Tensor,  # [R] 0 = off
-    uniforms: torch.Tensor,  # [R] float64 in [0, 1)
-) -> tuple[torch.Tensor, torch.Tensor]:  # -> tokens [R] int64, normaliser [R] fp32
-    """Inverse-CDF draw from exp((x - max) / T) with min_p applied; also max / T + log(total mass)."""
-    row_max = logits.amax(dim=-1, keepdim=True)
-    # The row maximum's prob is exactly 1, which is what min_p scales.
-    probs = ((logits - row_max) * inv_temps[:, None].to(logits.dtype)).exp_()
-    probs.masked_fill_(probs < min_ps[:, None].to(probs.dtype), 0.0)
-    cdf = probs.cumsum_(dim=-1)
-    total = cdf[:, -1:]
-    # Strictly below the total, so the first cdf entry above it always exists and is a token with
-    # non-zero probability (the cdf only rises at such tokens).
-    below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum((uniforms[:, None] * total).to(cdf.dtype), below_total)
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return tokens, (row_max.squeeze(1) * inv_temps.to(logits.dtype) + total.squeeze(1).log())
-
-
-def logsumexp(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
-    """Log-sum-exp of each row."""
-    return torch.logsumexp(logits, dim=-1)

@@ -55,14 +55,9 @@ def _copy_blocks_kernel(
     tl.store(cache_ptr + dst * block_numel + offs, data, mask=mask)
 
 
-def reshape_and_cache(
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64
-) -> None:
-    """Write new K/V into their cache slots; slot -1 skipped."""
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """kernels.cache.reshape_and_cache: one program per token."""
     num_tokens, num_kv_heads, head_dim = key.shape
     for t in (key, value):
         assert t.stride(2) == 1 and t.stride(1) == head_dim, "key/value rows must be [Hkv, D] contiguous"
@@ -81,11 +76,8 @@ def reshape_and_cache(
     )
 
 
-def copy_blocks(
-    key_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, Hkv, D]
-    value_caches: list[torch.Tensor],
-    block_mapping: list[tuple[int, int]],  # (src, dst)
-) -> None:
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                block_mapping: list[tuple[int, int]]) -> None:
     """Copy whole blocks src -> dst in every layer's caches; one launch per cache tensor (CoW is rare)."""
     if not block_mapping:
         return

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from pagedserve.kernels import attention_triton, reference
+from pagedserve.kernels.attention import reference
+from pagedserve.kernels.attention import triton as attention_triton
 
 # (q_len, seq_len): a chunked prefill over a cached prefix spanning several query tiles at GQA 4 and 8,
 # decodes (one at position 0), a whole-prompt prefill and a short chunk; lengths straddle block edges.

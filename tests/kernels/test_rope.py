@@ -1,21 +1,19 @@
-"""Rotary embedding, RMSNorm and SiLU-and-mul: torch references against transformers, Triton against them."""
+"""Rotary embedding and its cos/sin table: the references against transformers, Triton (interpreter) and the
+native kernels against the reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import elementwise_triton, reference
-from pagedserve.kernels.rope_cache import compute_cos_sin_cache
+from pagedserve.kernels.cache import reference as cache_reference
+from pagedserve.kernels.rope import compute_cos_sin_cache, cpu, reference
+from pagedserve.kernels.rope import triton as rope_triton
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-# The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest: one bf16 step of slack.
-BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2}
+from .checks import assert_native_matches_reference, needs_native, triton_tol
+
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _tol(dtype: torch.dtype) -> dict:
-    return BF16_TOL if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -39,49 +37,10 @@ def test_rotary_triton_equals_reference(dtype, head_dim):
     q = fused[:, : 5 * head_dim].view(6, 5, head_dim)
     k = fused[:, 5 * head_dim :].view(6, 2, head_dim)
     positions = torch.tensor([0, 1, 2, 255, 31, 100])
-    out_q, out_k = elementwise_triton.rotary_embedding(positions, q, k, cache)
+    out_q, out_k = rope_triton.rotary_embedding(positions, q, k, cache)
     ref_q, ref_k = reference.rotary_embedding(positions, q, k, cache)
-    torch.testing.assert_close(out_q, ref_q, **_tol(dtype))
-    torch.testing.assert_close(out_k, ref_k, **_tol(dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_reference_matches_transformers(dtype):
-    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(96))
-    x, residual = torch.randn(3, 96).to(dtype), torch.randn(3, 96).to(dtype)
-    assert torch.equal(reference.rms_norm(x, norm.weight.data, 1e-5), norm(x))
-    out, summed = reference.rms_norm(x, norm.weight.data, 1e-5, residual)
-    assert torch.equal(summed, x + residual) and torch.equal(out, norm(x + residual))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_triton_with_and_without_residual_equals_reference(dtype):
-    hidden = 200  # not a power of two: the row tile is masked
-    x, residual = torch.randn(5, hidden).to(dtype), torch.randn(5, hidden).to(dtype)
-    weight = torch.randn(hidden).to(dtype)
-    torch.testing.assert_close(elementwise_triton.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6),
-                               **_tol(dtype))
-    out, summed = elementwise_triton.rms_norm(x, weight, 1e-6, residual)
-    ref_out, ref_summed = reference.rms_norm(x, weight, 1e-6, residual)
-    torch.testing.assert_close(out, ref_out, **_tol(dtype))
-    torch.testing.assert_close(summed, ref_summed, **_tol(dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_triton_equals_reference(dtype):
-    x = torch.randn(4, 2 * 1100).to(dtype)  # two column tiles, the second partly masked
-    out = elementwise_triton.silu_and_mul(x)
-    assert out.shape == (4, 1100)
-    torch.testing.assert_close(out, reference.silu_and_mul(x), **_tol(dtype))
-
-
-def test_silu_and_mul_reference_matches_transformers_mlp_activation():
-    gate, up = torch.randn(3, 50), torch.randn(3, 50)
-    # Strided halves may take another vectorised path in torch: one fp32 ulp of slack.
-    torch.testing.assert_close(reference.silu_and_mul(torch.cat([gate, up], -1)),
-                               torch.nn.functional.silu(gate) * up, atol=1e-7, rtol=3e-7)
+    torch.testing.assert_close(out_q, ref_q, **triton_tol(dtype))
+    torch.testing.assert_close(out_k, ref_k, **triton_tol(dtype))
 
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -115,3 +74,40 @@ def test_llama3_scaling_changes_low_frequencies_only():
 def test_cos_sin_cache_refuses_unsupported_scaling_naming_the_field(scaling, field):
     with pytest.raises(ValueError, match=f"rope_scaling.{field}"):
         compute_cos_sin_cache(64, 16, 10000.0, scaling, torch.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_rotary_on_a_qkv_split_equals_reference(dtype):
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, hq, hkv, d = 23, 9, 3, 64
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # strided rows, as the model passes them
+    q, k = q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d)
+    table = compute_cos_sin_cache(d, 4096, 10000.0, None, dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    got_q, got_k = cpu.rotary_embedding(positions, q, k, table)
+    want_q, want_k = reference.rotary_embedding(positions, q, k, table)
+    assert_native_matches_reference(got_q, want_q)
+    assert_native_matches_reference(got_k, want_k)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_rotary_and_cache_writes_the_same_cache_as_the_two_reference_ops(dtype):
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, hq, hkv, d, block_size = 11, 6, 2, 32, 4
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.view(num_tokens, hkv, d)
+    table = compute_cos_sin_cache(d, 256, 10000.0, None, dtype)
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    slots = torch.randperm(6 * block_size, generator=gen)[:num_tokens]
+    slots[4] = -1  # a padding token writes nothing
+    caches = [torch.zeros(6, block_size, hkv, d, dtype=dtype) for _ in range(4)]
+    got_q = cpu.rotary_embedding_and_cache(positions, q, k, v, table, caches[0], caches[1], slots)
+    want_q, want_k = reference.rotary_embedding(positions, q, k, table)
+    cache_reference.reshape_and_cache(want_k, v, caches[2], caches[3], slots)
+    assert_native_matches_reference(got_q, want_q)
+    assert_native_matches_reference(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])

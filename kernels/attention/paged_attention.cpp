@@ -1,20 +1,15 @@
 // Decode-time PagedAttention for the CPU: one query token per sequence attends over its K/V read in place
 // from the paged cache, so nothing is gathered into a padded copy first (the torch path's biggest cost).
-//
-// Plain C ABI, no torch headers: the module compiles in about a second with the system C++ compiler and
-// is called through ctypes (which releases the GIL). Built with -O3 -march=native -fopenmp-simd so the
-// head_dim loops become vector code; math is fp32 whatever the cache dtype.
+// Math is fp32 whatever the cache dtype; -march=native -fopenmp-simd turn the head_dim loops into vector code.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "cpu_common.h"
+#include "../native/cpu_common.h"
 
 namespace {
-
-enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
 
 using pagedserve::bf16_to_float;
 using pagedserve::fast_exp;
@@ -49,8 +44,7 @@ inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n, floa
 
 // The cache is far larger than any CPU cache and a sequence's blocks lie anywhere in it: while reading
 // slot j of a block, ask for slot j of the next block (one row ahead, spread over the block rather than
-// all at once). On 30 layers' caches (DRAM-resident, as in a real step) this made the kernel 20-26 %
-// faster; on a cache-resident pool it changes nothing.
+// all at once), so DRAM-resident blocks arrive before they are read (docs/benchmarks.md: row-ahead prefetch).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -182,22 +176,12 @@ int pagedserve_decode_attention(void* out, const void* query, const void* key_ca
                                 int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t block_size, int64_t block_table_stride, int64_t query_stride,
                                 int64_t out_stride, float scale, int dtype) {
-  switch (dtype) {
-    case kFloat32:
-      dispatch_head_dim(static_cast<float*>(out), static_cast<const float*>(query),
-                        static_cast<const float*>(key_cache), static_cast<const float*>(value_cache),
-                        block_tables, seq_lens, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-                        block_table_stride, query_stride, out_stride, scale);
-      return 0;
-    case kBFloat16:
-      dispatch_head_dim(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query),
-                        static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache),
-                        block_tables, seq_lens, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size,
-                        block_table_stride, query_stride, out_stride, scale);
-      return 0;
-    default:
-      return 1;
-  }
+  return pagedserve::with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_head_dim(static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(key_cache),
+                      static_cast<const T*>(value_cache), block_tables, seq_lens, num_seqs, num_q_heads,
+                      num_kv_heads, head_dim, block_size, block_table_stride, query_stride, out_stride, scale);
+  });
 }
 
 }  // extern "C"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import cache_triton, reference
+from pagedserve.kernels.cache import reference
+from pagedserve.kernels.cache import triton as cache_triton
 
 IMPLS = [pytest.param(reference, id="torch"), pytest.param(cache_triton, id="triton")]
 

@@ -1,12 +1,15 @@
-"""The native CPU sampling ops (inverse-CDF draw, log-sum-exp) against the torch reference."""
+"""The native CPU sampling ops (inverse-CDF draw, log-sum-exp, bf16 widening) against the torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels import cpu_native, reference
+from pagedserve.kernels import to_float32
+from pagedserve.kernels.sampling import cpu, reference
 
-pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="no C++ compiler for the native kernels")
+from .checks import needs_native
+
+pytestmark = needs_native
 
 
 def make_rows(rows: int = 64, vocab: int = 3000, seed: int = 0):
@@ -21,7 +24,7 @@ def make_rows(rows: int = 64, vocab: int = 3000, seed: int = 0):
 
 def test_native_draw_picks_the_reference_token_and_normaliser():
     args = make_rows()
-    tokens, lse = cpu_native.sample_from_logits(*args)
+    tokens, lse = cpu.sample_from_logits(*args)
     want_tokens, want_lse = reference.sample_from_logits(*args)
     # The same uniform lands in the same token unless it sits within float rounding of a cdf step.
     assert (tokens == want_tokens).float().mean() >= 0.95
@@ -31,7 +34,7 @@ def test_native_draw_picks_the_reference_token_and_normaliser():
 def test_native_draw_never_picks_a_masked_or_min_p_excluded_token():
     logits, inv_temps, min_ps, _ = make_rows(rows=256, vocab=500, seed=1)
     uniforms = torch.linspace(0, 1, 256, dtype=torch.float64).clamp(max=1 - 1e-12)
-    tokens, _ = cpu_native.sample_from_logits(logits, inv_temps, min_ps, uniforms)
+    tokens, _ = cpu.sample_from_logits(logits, inv_temps, min_ps, uniforms)
     chosen = logits.gather(1, tokens[:, None]).squeeze(1)
     assert torch.isfinite(chosen).all()
     probs = ((chosen - logits.amax(-1)) * inv_temps).exp()
@@ -41,7 +44,7 @@ def test_native_draw_never_picks_a_masked_or_min_p_excluded_token():
 def test_native_draw_follows_the_distribution_quantile_by_quantile():
     logits = torch.log(torch.tensor([0.1, 0.0, 0.25, 0.05, 0.6]))[None].repeat(1000, 1)
     uniforms = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000
-    tokens, lse = cpu_native.sample_from_logits(logits, torch.ones(1000), torch.zeros(1000), uniforms)
+    tokens, lse = cpu.sample_from_logits(logits, torch.ones(1000), torch.zeros(1000), uniforms)
     counts = torch.bincount(tokens, minlength=5)
     assert counts.tolist() == [100, 0, 250, 50, 600]
     torch.testing.assert_close(lse, torch.zeros(1000), atol=1e-6, rtol=0)
@@ -49,11 +52,20 @@ def test_native_draw_follows_the_distribution_quantile_by_quantile():
 
 def test_native_logsumexp_equals_torch():
     logits, *_ = make_rows(rows=16, vocab=49152, seed=2)
-    torch.testing.assert_close(cpu_native.logsumexp(logits), torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(cpu.logsumexp(logits), torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
 
 
 def test_a_row_with_nothing_to_sample_is_refused():
     logits = torch.full((2, 8), -float("inf"))
     logits[0, 3] = 1.0
     with pytest.raises(ValueError, match="no finite value"):
-        cpu_native.sample_from_logits(logits, torch.ones(2), torch.zeros(2), torch.full((2,), 0.5, dtype=torch.float64))
+        cpu.sample_from_logits(logits, torch.ones(2), torch.zeros(2), torch.full((2,), 0.5, dtype=torch.float64))
+
+
+def test_logits_widen_from_bf16_exactly(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
+    x = (torch.randn(5, 1000) * 30).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    got = to_float32(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float(), equal_nan=True, atol=0, rtol=0)
