@@ -10,22 +10,18 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from pagedserve.client.launcher import openai_shim_running
 
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny-llama"
 PROMPT = "The capital of France is"
-STARTUP_TIMEOUT_SECONDS = 60
 IDLE_TIMEOUT_SECONDS = 60
 
 
 @pytest.fixture(scope="module")
 def shim_url(triton_server) -> Iterator[str]:
     """`python -m pagedserve.client.openai` in front of the session tritonserver."""
-    metrics_url = f"http://{triton_server.metrics_url.split('//')[-1]}"
-    with openai_shim_running(triton_server.grpc_url, metrics_url, "--model-name", MODEL,
-                             timeout=STARTUP_TIMEOUT_SECONDS) as url:
+    with triton_server.openai_shim("--model-name", MODEL) as url:
         yield url
 
 
@@ -39,14 +35,6 @@ def tokenizer(triton_server):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(triton_server.model_path))
-
-
-def _wait_idle(triton_server) -> None:
-    """Until the engine holds no request and no KV block (what a freed request looks like)."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_SECONDS
-    while (triton_server.metric("vllm:num_requests_running") or triton_server.metric("vllm:kv_cache_usage_perc")):
-        assert time.monotonic() < deadline, "the engine never became idle"
-        time.sleep(0.1)
 
 
 def test_models_and_health_and_metrics_passthrough(client, shim_url):
@@ -211,7 +199,7 @@ def test_bad_requests_name_the_field(client, shim_url):
 
 
 def test_disconnect_mid_stream_cancels_the_request_and_frees_its_blocks(shim_url, triton_server):
-    _wait_idle(triton_server)
+    triton_server.wait_idle()
     generated_before = triton_server.metric("vllm:generation_tokens_total")
     n, max_tokens = 8, 240  # long enough that the disconnect lands well before the natural end
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "n": n, "stream": True, "ignore_eos": True}
@@ -223,6 +211,6 @@ def test_disconnect_mid_stream_cancels_the_request_and_frees_its_blocks(shim_url
         while triton_server.metric("vllm:kv_cache_usage_perc") == 0:
             assert time.monotonic() < deadline, "the running request never showed in the KV usage"
             time.sleep(0.02)
-    _wait_idle(triton_server)
+    triton_server.wait_idle()
     # Cut short: the request did not run to its max_tokens.
     assert triton_server.metric("vllm:generation_tokens_total") - generated_before < n * max_tokens
