@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.kernels.attention import triton as attention_triton
@@ -13,17 +12,7 @@ PROMPTS = [[5, 17, 33, 90, 41, 7, 250, 3, 64], [12, 8, 300, 77, 19, 45, 101, 6, 
 MAX_NEW_TOKENS = 6
 
 
-def _transformers_greedy(path, prompt_ids: list[int]) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt_ids]),
-                         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), max_new_tokens=MAX_NEW_TOKENS, min_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def test_engine_on_triton_kernels_matches_transformers_greedy(tiny_llama_path, monkeypatch):
+def test_engine_on_triton_kernels_matches_transformers_greedy(tiny_llama_path, monkeypatch, hf_reference):
     launches = spy(monkeypatch, attention_triton, "paged_attention")
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
     # A small token budget chunks the longer prompt, so steps mix a prefill chunk with a decode.
@@ -39,4 +28,4 @@ def test_engine_on_triton_kernels_matches_transformers_greedy(tiny_llama_path, m
                 final[out.request_id] = out.outputs[0].token_ids
     assert launches, "the Triton attention kernel never ran"
     for i, ids in enumerate(PROMPTS):
-        assert final[f"r{i}"] == _transformers_greedy(tiny_llama_path, ids)
+        assert final[f"r{i}"] == hf_reference.greedy(tiny_llama_path, ids, MAX_NEW_TOKENS)[0]
