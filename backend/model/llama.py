@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache; every kernel goes through ops."""
+"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache; every kernel goes through `pagedserve.kernels`."""
 
 from __future__ import annotations
 
