@@ -43,7 +43,7 @@ LLM_HTTP_CASES = {
     "seed negative": ({"text_input": "Hi", "sampling_parameters": _sp(seed=-1)}, "seed"),
     "seed over 2**63": ({"text_input": "Hi", "sampling_parameters": _sp(seed=2**64)}, "seed"),
     "max_tokens over the context": ({"text_input": "Hi", "max_tokens": 1000}, "max_tokens"),
-    "max_tokens as a string": ({"text_input": "Hi", "sampling_parameters": '{"max_tokens": "5"}'}, "max_tokens"),
+    "max_tokens as a word": ({"text_input": "Hi", "sampling_parameters": '{"max_tokens": "five"}'}, "max_tokens"),
     "max_tokens as a float": ({"text_input": "Hi", "sampling_parameters": '{"max_tokens": 5.5}'}, "max_tokens"),
     "min_tokens above max_tokens": ({"text_input": "Hi", "sampling_parameters": _sp(min_tokens=9, max_tokens=3)},
                                     "min_tokens"),
