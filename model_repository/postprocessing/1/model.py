@@ -1,5 +1,5 @@
-"""The ensemble's detokenizing step."""
+"""The detokenizing step on its own (the ensemble detokenizes in its own process)."""
 
-from pagedserve.backend.triton_utils import PostprocessingModel as TritonPythonModel
+from pagedserve.backend.triton_ensemble import PostprocessingModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

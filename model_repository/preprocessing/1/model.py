@@ -1,5 +1,5 @@
-"""The ensemble's tokenizing step."""
+"""The tokenizing step on its own (the ensemble tokenizes in its own process)."""
 
-from pagedserve.backend.triton_utils import PreprocessingModel as TritonPythonModel
+from pagedserve.backend.triton_ensemble import PreprocessingModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]
