@@ -73,7 +73,7 @@ def _bool_input(inputs: dict[str, Any], name: str, default: bool = False) -> boo
     return bool(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else default
 
 
-def _request_parameters(request: Any) -> dict[str, Any]:
+def request_parameters(request: Any) -> dict[str, Any]:
     """KServe request `parameters` (the generate endpoint's extra JSON fields) meant for sampling."""
     raw = request.parameters()
     params = json.loads(raw) if isinstance(raw, str) and raw else dict(raw or {})
@@ -94,7 +94,7 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
         raise InvalidRequestError("text_input must not be empty", "text_input")
     if prompt_token_ids is not None and not prompt_token_ids:
         raise InvalidRequestError("input_ids must hold at least one token id", "input_ids")
-    settings = _request_parameters(request)
+    settings = request_parameters(request)
     raw_json = string_input(inputs, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     if raw_json:
         try:

@@ -125,11 +125,13 @@ def test_http_generate_refuses_with_400_naming_the_field(small_pool_server, mode
 
 
 def test_ensemble_grpc_refuses_a_wrongly_typed_tensor_naming_it(small_pool_server):
+    # TensorRT-LLM's shapes: every input carries the batch dimension.
+    text = np.array([[b"Hi"]], dtype=np.object_)
     result = small_pool_server.grpc_stream(
-        "ensemble", {"text_input": "Hi", "max_tokens": np.array([3.0], dtype=np.float32)}
+        "ensemble", {"text_input": text, "max_tokens": np.array([[3.0]], dtype=np.float32)}
     )
     assert result.responses == [] and "max_tokens" in str(result.error)
-    good = small_pool_server.grpc_stream("ensemble", {"text_input": "Hi", "max_tokens": np.array([2], np.int32)})
+    good = small_pool_server.grpc_stream("ensemble", {"text_input": text, "max_tokens": np.array([[2]], np.int32)})
     assert good.error is None
     small_pool_server.wait_idle()
 

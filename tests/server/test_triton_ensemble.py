@@ -1,5 +1,6 @@
-"""The tokenizing ensemble (preprocessing -> llm -> postprocessing) with the TensorRT-LLM tensor names:
-streamed text is byte-exact, over HTTP and gRPC, and matches what the llm model says itself."""
+"""The ensemble model (tokenize, stream through llm, detokenize) with the TensorRT-LLM tensor names: streamed
+text is byte-exact, over HTTP and gRPC, and matches what the llm model says itself. Batches of several rows and
+TensorRT-LLM's clients' exact requests: test_triton_ensemble_trtllm.py."""
 
 from __future__ import annotations
 
@@ -59,26 +60,30 @@ def test_ensemble_without_exclude_input_returns_prompt_and_completion(triton_ser
         "ensemble", {"text_input": prompt, "max_tokens": 6, "temperature": 0.0, "exclude_input_in_output": True}
     )
     assert with_prompt["text_output"] == prompt + without["text_output"]
-    assert with_prompt["sequence_index"] == 0
+    assert with_prompt["sequence_index"] == 0 and with_prompt["batch_index"] == 0
 
 
 def test_grpc_stream_through_the_ensemble_with_trtllm_tensor_names(triton_server):
+    # TensorRT-LLM's shapes: every input carries the batch dimension ([1, 1] here).
     values = {
-        "text_input": "Paged attention stores keys",
-        "max_tokens": np.array([10], dtype=np.int32),
-        "temperature": np.array([0.0], dtype=np.float32),
-        "top_k": np.array([5], dtype=np.int32),
-        "seed": np.array([3], dtype=np.uint64),
-        "return_log_probs": True,
-        "exclude_input_in_output": True,
+        "text_input": np.array([[b"Paged attention stores keys"]], dtype=np.object_),
+        "max_tokens": np.array([[10]], dtype=np.int32),
+        "temperature": np.array([[0.0]], dtype=np.float32),
+        "top_k": np.array([[5]], dtype=np.int32),
+        "seed": np.array([[3]], dtype=np.uint64),
+        "return_log_probs": np.array([[True]]),
+        "exclude_input_in_output": np.array([[True]]),
     }
-    streamed = triton_server.grpc_stream("ensemble", {**values, "stream": True})
+    streamed = triton_server.grpc_stream("ensemble", {**values, "stream": np.array([[True]])})
     whole = triton_server.grpc_stream("ensemble", values)
     assert streamed.error is None and whole.error is None
     assert len(streamed.responses) == 10
     assert streamed.finals()[-1] and not any(streamed.finals()[:-1])
     assert "".join(streamed.texts()) == whole.texts()[0]
-    per_token = [float(r.as_numpy("output_log_probs")[0]) for r in streamed.responses]
-    cumulative = float(streamed.responses[-1].as_numpy("cum_log_probs")[0])
+    # As TensorRT-LLM sends them: text_output [1], cum_log_probs [1, 1], output_log_probs [1, 1, tokens].
+    assert [r.as_numpy("output_log_probs").shape for r in streamed.responses] == [(1, 1, 1)] * 10
+    per_token = [float(r.as_numpy("output_log_probs")[0, 0, 0]) for r in streamed.responses]
+    cumulative = float(streamed.responses[-1].as_numpy("cum_log_probs")[0, 0])
     assert cumulative == pytest.approx(sum(per_token), abs=1e-3)
-    assert len(whole.responses[0].as_numpy("output_log_probs")) == 10
+    assert whole.responses[0].as_numpy("output_log_probs").shape == (1, 1, 10)
+    assert whole.responses[0].as_numpy("text_output").shape == (1,)

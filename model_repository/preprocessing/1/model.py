@@ -1,4 +1,4 @@
-"""The ensemble's tokenizing step."""
+"""The tokenizing step on its own (the ensemble tokenizes in its own process)."""
 
 from pagedserve.backend.triton.ensemble import PreprocessingModel as TritonPythonModel
 

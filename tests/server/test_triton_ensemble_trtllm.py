@@ -1,0 +1,188 @@
+"""The ensemble answers what TensorRT-LLM's clients send, unchanged: every input with its batch dimension
+([1, 1] scalars, [1, N] stop/bad word lists, as its end_to_end_grpc_client.py and genai-perf build them),
+batches of several rows in one call (each row answered, tagged with its batch_index), and the HTTP
+generate / generate_stream JSON of its docs."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RESPONSE_TIMEOUT_SECONDS = 120
+
+# The dtypes of TensorRT-LLM's ensemble config.pbtxt.
+DTYPES = {
+    "text_input": np.object_, "stop_words": np.object_, "bad_words": np.object_,
+    "max_tokens": np.int32, "min_tokens": np.int32, "min_length": np.int32, "beam_width": np.int32,
+    "num_return_sequences": np.int32, "top_k": np.int32, "end_id": np.int32, "pad_id": np.int32,
+    "temperature": np.float32, "top_p": np.float32, "seed": np.uint64, "random_seed": np.uint64,
+    "stream": np.bool_, "exclude_input_in_output": np.bool_, "return_log_probs": np.bool_,
+    "return_context_logits": np.bool_,
+}
+
+
+def trtllm_batch(rows: list[dict]) -> dict[str, np.ndarray]:
+    """The tensors end_to_end_grpc_client.py sends: each row's values as [1, 1] arrays (word lists [1, N]),
+    concatenated along the batch dimension, word lists padded with empty strings to one width."""
+    tensors = {}
+    for name in rows[0]:
+        values = [row[name] for row in rows]
+        if DTYPES[name] is np.object_:
+            lists = [[v] if isinstance(v, str) else v for v in values]
+            width = max(len(words) for words in lists)
+            array = np.array([[w.encode() for w in words] + [b""] * (width - len(words)) for words in lists],
+                             dtype=np.object_)
+        else:
+            array = np.array([[v] for v in values], dtype=DTYPES[name])
+        tensors[name] = array
+    return tensors
+
+
+def stream_all(server, values: dict[str, np.ndarray], errors_to_end: int | None = None) -> tuple[list, list[str]]:
+    """Every response of one ensemble request until the final flag: (results, error messages), errors of
+    single rows included (the stream goes on after them). A streamed error does not show its final flag, so
+    the collection also ends at `errors_to_end` errors (default: one per row)."""
+    results, errors = [], []
+    with server.open_stream("ensemble", values) as stream:
+        try:
+            while True:
+                answer = stream.next(RESPONSE_TIMEOUT_SECONDS)
+                if answer.error is not None:
+                    errors.append(str(answer.error))
+                    if len(errors) == (errors_to_end or len(values["text_input"])):
+                        return results, errors
+                    continue
+                if answer.result.get_response().outputs:
+                    results.append(answer.result)
+                if answer.final:
+                    return results, errors
+        except queue.Empty:
+            pytest.fail(f"no final response within {RESPONSE_TIMEOUT_SECONDS} s: {len(results)} responses, {errors}")
+
+
+def finals(results: list) -> list[bool]:
+    """The triton_final_response flag of every result."""
+    return [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+
+
+def by_row(results: list) -> dict[int, list[str]]:
+    """The texts of each batch row, in order, read as the end-to-end client reads them (output[0], [0][0])."""
+    texts: dict[int, list[str]] = {}
+    for result in results:
+        row = int(result.as_numpy("batch_index")[0][0])
+        texts.setdefault(row, []).append(result.as_numpy("text_output")[0].decode("utf-8"))
+    return texts
+
+
+def greedy_row(prompt: str, max_tokens: int, **extra) -> dict:
+    """One row as end_to_end_grpc_client.py fills it (beam_width 1, one sequence), greedy, without the prompt
+    in the output, and min_length = max_tokens so the tiny model's eos cannot end it early."""
+    return {"text_input": prompt, "max_tokens": max_tokens, "min_length": max_tokens, "beam_width": 1,
+            "num_return_sequences": 1, "temperature": 0.0, "exclude_input_in_output": True, **extra}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_batch_of_three_rows_in_one_call_is_answered_row_by_row(triton_server, stream):
+    rows = [greedy_row("The capital of France is", 6), greedy_row("Café, naïve, 日本語", 9),
+            greedy_row("  two leading spaces", 12)]
+    results, errors = stream_all(triton_server, trtllm_batch([{**row, "stream": stream} for row in rows]))
+    assert errors == []
+    texts = by_row(results)
+    assert sorted(texts) == [0, 1, 2]
+    if stream:
+        assert [len(texts[i]) for i in range(3)] == [6, 9, 12]  # one response per token
+    else:
+        assert [len(texts[i]) for i in range(3)] == [1, 1, 1]
+    assert finals(results) == [False] * (len(results) - 1) + [True]
+    for index, row in enumerate(rows):
+        alone, alone_errors = stream_all(triton_server, trtllm_batch([row]))
+        assert alone_errors == [] and len(alone) == 1
+        assert "".join(texts[index]) == alone[0].as_numpy("text_output")[0].decode("utf-8")
+
+
+def test_a_batch_of_one_streams_the_text_the_llm_model_generates(triton_server):
+    prompt = "Paged attention stores keys"
+    row = greedy_row(prompt, 16)
+    streamed, errors = stream_all(triton_server, trtllm_batch([{**row, "stream": True}]))
+    whole, whole_errors = stream_all(triton_server, trtllm_batch([row]))
+    assert errors == whole_errors == []
+    assert [r.as_numpy("text_output").shape for r in streamed] == [(1,)] * 16
+    assert {r.as_numpy("batch_index").shape for r in streamed} == {(1, 1)}
+    llm = triton_server.generate("llm", {"text_input": prompt, "max_tokens": 16, "min_tokens": 16,
+                                         "temperature": 0.0, "exclude_input_in_output": True})
+    assert "".join(by_row(streamed)[0]) == by_row(whole)[0][0] == llm["text_output"]
+
+
+def test_stop_words_of_a_row_end_its_text_at_the_first_stop_word(triton_server):
+    # min_length 0: stop words are only watched from min_length on.
+    row = greedy_row("Paged attention stores keys", 24, min_length=0, bad_words=[""])
+    full, _ = stream_all(triton_server, trtllm_batch([row]))
+    text = by_row(full)[0][0]
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].isascii() and text[i:i + 2].isalnum())
+    for stream in (False, True):
+        cut, errors = stream_all(triton_server,
+                                 trtllm_batch([{**row, "stop_words": [stop, "@@never@@"], "stream": stream}]))
+        assert errors == []
+        stopped = "".join(by_row(cut)[0])
+        # The ensemble decodes whole tokens: its text keeps the stop word (and the rest of its last token).
+        assert text.startswith(stopped) and text.index(stop) + len(stop) <= len(stopped) < len(text)
+
+
+def test_a_bad_row_refuses_the_whole_batch_naming_the_field_and_the_row(triton_server):
+    rows = [greedy_row("Hello", 4, top_p=0.5), greedy_row("Bye", 4, top_p=1.5)]
+    results, errors = stream_all(triton_server, trtllm_batch(rows), errors_to_end=1)
+    assert results == []
+    assert len(errors) == 1 and errors[0].startswith("top_p") and "(batch_index 1)" in errors[0]
+
+
+def test_a_row_the_llm_refuses_gets_its_error_and_the_other_rows_finish(triton_server):
+    rows = [greedy_row("Hello", 8), greedy_row("word " * 300, 8)]  # the second is over max_model_len (256)
+    results, errors = stream_all(triton_server, trtllm_batch([{**row, "stream": True} for row in rows]))
+    assert len(errors) == 1 and "max_model_len" in errors[0] and "(batch_index 1)" in errors[0]
+    assert sorted(by_row(results)) == [0] and len(by_row(results)[0]) == 8
+    assert finals(results)[-1]
+
+
+def test_older_trtllm_names_random_seed_and_min_length_mean_seed_and_min_tokens(triton_server):
+    sampled = {"text_input": "Once upon a time", "max_tokens": 10, "temperature": 1.0, "stream": True}
+    new, _ = stream_all(triton_server, trtllm_batch([{**sampled, "seed": 7, "min_tokens": 10}]))
+    old, _ = stream_all(triton_server, trtllm_batch([{**sampled, "random_seed": 7, "min_length": 10}]))
+    assert len(new) == len(old) == 10
+    assert by_row(new) == by_row(old)
+    both, errors = stream_all(triton_server, trtllm_batch([{**sampled, "seed": 7, "random_seed": 7}]))
+    assert both == [] and errors[0].startswith("random_seed")
+
+
+def test_http_generate_and_generate_stream_take_the_json_of_trtllm_docs(triton_server):
+    body = {"text_input": "What is machine learning?", "max_tokens": 20, "bad_words": "", "stop_words": ""}
+    status, _ = triton_server.post("/v2/models/ensemble/generate", body)
+    assert status == 200
+    events = triton_server.generate_stream("ensemble", {**body, "stream": True})
+    assert events and all(e["batch_index"] == 0 for e in events)
+    greedy = {**body, "temperature": 0.0, "min_tokens": 20}
+    whole = triton_server.generate("ensemble", greedy)
+    streamed = triton_server.generate_stream("ensemble", {**greedy, "stream": True})
+    assert len(streamed) == 20
+    # generate echoes the prompt (exclude_input_in_output defaults to false); streamed deltas never repeat it.
+    assert whole["text_output"] == body["text_input"] + "".join(e["text_output"] for e in streamed)
+    assert whole["batch_index"] == 0 and whole["sequence_index"] == 0
+
+
+def test_trtllm_inputs_pagedserve_cannot_honour_are_refused_by_name(triton_server):
+    row = greedy_row("Hello", 2)
+    _, errors = stream_all(triton_server, trtllm_batch([{**row, "return_context_logits": True}]))
+    assert errors and errors[0].startswith("return_context_logits")
+    results, errors = stream_all(triton_server, trtllm_batch([{**row, "return_context_logits": False}]))
+    assert errors == [] and len(results) == 1
+    status, text = triton_server.post("/v2/models/ensemble/generate",
+                                      {"text_input": "Hello", "max_tokens": 2, "lora_task_id": 3})
+    assert status == 400 and "lora_task_id" in text
+
+
+def test_tensors_without_the_batch_dimension_are_refused_naming_the_input(triton_server):
+    _, errors = stream_all(triton_server, {"text_input": np.array([b"Hello"], dtype=np.object_)})
+    assert errors and "unexpected shape for input 'text_input'" in errors[0]
