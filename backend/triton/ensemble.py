@@ -331,16 +331,27 @@ class EnsembleModel:
         """Nothing to release: rows still streaming end with their llm requests."""
 
 
-class PreprocessingModel:
-    """The tokenizing step alone: `text_input` -> `input_ids`, TensorRT-LLM sampling inputs -> sampling JSON."""
+class _TokenizerStep:
+    """A non-decoupled model that answers each request alone with the model's tokenizer."""
 
     def initialize(self, args: dict) -> None:
         """Load the tokenizer."""
         self.tokenizer = load_tokenizer(args)
 
     def execute(self, requests: list) -> list:
-        """One response per request; bad input gets an INVALID_ARG error response."""
+        """One response per request."""
         return [self._one(request) for request in requests]
+
+    def _one(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    def finalize(self) -> None:
+        """Nothing to release."""
+
+
+class PreprocessingModel(_TokenizerStep):
+    """The tokenizing step alone: `text_input` -> `input_ids`, TensorRT-LLM sampling inputs -> sampling JSON;
+    bad input gets an INVALID_ARG error response."""
 
     def _one(self, request: Any) -> Any:
         try:
@@ -355,20 +366,9 @@ class PreprocessingModel:
             string_tensor("sampling_parameters", [json.dumps(settings)]),
         ])
 
-    def finalize(self) -> None:
-        """Nothing to release."""
 
-
-class PostprocessingModel:
+class PostprocessingModel(_TokenizerStep):
     """The detokenizing step alone: the new ids of one llm response -> their exact text, with no state kept."""
-
-    def initialize(self, args: dict) -> None:
-        """Load the tokenizer."""
-        self.tokenizer = load_tokenizer(args)
-
-    def execute(self, requests: list) -> list:
-        """One response per llm response."""
-        return [self._one(request) for request in requests]
 
     def _one(self, request: Any) -> Any:
         outputs = {name: tensor.as_numpy() for name, tensor in input_tensors(request).items()}
@@ -379,6 +379,3 @@ class PostprocessingModel:
             pb_utils.Tensor("output_log_probs", np.asarray(decoded.token_logprobs, dtype=np.float32)),
             pb_utils.Tensor("sequence_index", np.zeros(1, dtype=np.int32)),
         ])
-
-    def finalize(self) -> None:
-        """Nothing to release."""
