@@ -34,6 +34,8 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_PATH_KEYS = ("model", "tokenizer")
 LLM_MODEL_NAME = "llm"
 OPENAI_MODULE = "pagedserve.client.openai"
+# tritonserver's --exit-timeout-secs: how long a stopping server waits for its models to unload.
+EXIT_TIMEOUT_SECONDS = 10
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--log-verbose={self.log_verbose}",
             "--allow-cpu-metrics=false",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_SECONDS}",
         ]
         backend_dir = layout_backend_dir(self.install, self.work_dir)
         if backend_dir is not None:

@@ -2,14 +2,17 @@
 
 The OpenAI shim, the `generate`/`chat` commands and `pagedserve bench` all talk to `llm` through it.
 Closing a `generate()` iterator early cancels the gRPC stream, which cancels the request on the server
-(the model sees `response_sender.is_cancelled()` and frees the request's KV blocks).
+(the model sees `response_sender.is_cancelled()` and frees the request's KV blocks). A stream whose request
+has ended is never cancelled, but read to its end (see STREAM_END_TIMEOUT_SECONDS).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -17,6 +20,12 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 LLM_MODEL = "llm"
+# Once a request's last response has come, the server ends its stream at once; the client waits for that end
+# (at most this long) instead of cancelling the stream. tritonserver 2.51's gRPC front end, told of a
+# cancellation between writing a request's last response and closing its stream, cancels the finished request
+# again, waits for an answer that never comes and so keeps the request, and with it the llm model: the next
+# stop then runs out the exit timeout ("Exit timeout expired").
+STREAM_END_TIMEOUT_SECONDS = 5.0
 
 
 class TritonUnavailableError(ConnectionError):
@@ -174,29 +183,42 @@ class TritonLLMClient:
             yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
 
         call = self._client.stream_infer(requests())
-        finished = False
+        request_ended = False  # the server sent the request's last response: it ends the stream by itself
         try:
             async for result, error in call:
                 if error is not None:
-                    finished = True
+                    request_ended = True  # an error response is the llm model's last
                     raise TritonRequestError(_strip_prefix(str(error)))
                 response = parse_result(result)
                 if response is None or not response.text:
                     continue
-                yield response
                 # The last response of a request is the one where every sequence has a finish reason
                 # (the aio client cannot ask for Triton's empty-final flag: the parameter is reserved).
-                if response.finished:
-                    return
-            finished = True
+                request_ended = response.finished
+                yield response
+                if request_ended:
+                    break
         except grpc.aio.AioRpcError as error:
-            finished = True
             raise TritonUnavailableError(f"tritonserver at {self.url}: {error.details()}") from error
         finally:
-            # Leaving early (break, error, cancellation, or after the last response) ends the gRPC
-            # stream; a request still running on the server is cancelled with it.
-            if not finished:
-                call.cancel()
+            await _end_stream(call, request_ended)
+
+
+async def _end_stream(call: Any, request_ended: bool) -> None:
+    """End a stream_infer() call: read it to its end once its request has ended (at most
+    STREAM_END_TIMEOUT_SECONDS), else cancel it, which cancels the request if it still runs on the server."""
+    try:
+        if request_ended:
+            await asyncio.wait_for(_read_to_end(call), STREAM_END_TIMEOUT_SECONDS)
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        pass
+    finally:
+        call.cancel()  # a no-op once the stream has ended
+
+
+async def _read_to_end(call: Any) -> None:
+    async for _ in call:
+        pass
 
 
 def _strip_prefix(message: str) -> str:
