@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -70,12 +71,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # One of {"json": schema, "regex": str, "choice": [str], "grammar": EBNF str, "json_object": true}.
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_probabilities()
         self._check_lengths()
         self._check_stops()
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _bool(name, getattr(self, name))
         _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
@@ -156,6 +160,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"sampling_parameters must be a JSON object, got {type(d).__name__}", "sampling_parameters"
             )
+        d = _with_guided_keys(d)
         known = _FIELD_TYPES
         for key in d:
             if key not in known:
@@ -190,4 +195,73 @@ def _from_string(name: str, value: Any) -> Any:
         if text.lower() in _FALSE_WORDS:
             return False
         raise _fail(name, f"must be a boolean (true or false), got {value!r}")
+    return value
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's older request keys for the same specs.
+_GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "grammar"}
+MAX_CHOICES = 256
+
+
+def _with_guided_keys(d: dict) -> dict:
+    """`guided_json` and its siblings folded into `structured_outputs` (two specs at once are refused)."""
+    guided = {key: d[key] for key in _GUIDED_KEYS if key in d}
+    if not guided:
+        return d
+    if len(guided) > 1 or d.get("structured_outputs") is not None:
+        names = sorted(guided) + (["structured_outputs"] if d.get("structured_outputs") is not None else [])
+        raise _fail(names[-1], f"is one of several output constraints ({', '.join(names)}); give one")
+    (key, value), = guided.items()
+    rest = {k: v for k, v in d.items() if k != key}
+    return {**rest, "structured_outputs": {_GUIDED_KEYS[key]: value}}
+
+
+def _structured_outputs(spec: Any) -> dict | None:
+    """A checked structured-output spec: exactly one kind, of the right type; a JSON string is parsed."""
+    name = "structured_outputs"
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as error:
+            raise _fail(name, f"is not valid JSON: {error}") from None
+    if not isinstance(spec, dict):
+        raise _fail(name, f"must be an object with one of {', '.join(STRUCTURED_KINDS)}, got {type(spec).__name__}")
+    given = [key for key, value in spec.items() if value is not None and value is not False]
+    unknown = [key for key in spec if key not in STRUCTURED_KINDS]
+    if unknown:
+        raise _fail(name, f"has unknown key {unknown[0]!r}; allowed: {', '.join(STRUCTURED_KINDS)}")
+    if len(given) != 1:
+        raise _fail(name, f"must give exactly one of {', '.join(STRUCTURED_KINDS)}, got {len(given)}")
+    kind = given[0]
+    return {kind: _structured_value(kind, spec[kind])}
+
+
+def _structured_value(kind: str, value: Any) -> Any:
+    name = f"structured_outputs.{kind}"
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise InvalidRequestError(f"{name} is not valid JSON: {error}", "structured_outputs") from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidRequestError(f"{name} must be a JSON Schema object, got {type(value).__name__}",
+                                      "structured_outputs")
+        return value
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequestError(f"{name} must be true, got {value!r}", "structured_outputs")
+        return True
+    if kind == "choice":
+        if (not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in value)):
+            raise InvalidRequestError(f"{name} must be a list of 1..{MAX_CHOICES} non-empty strings, got {value!r}",
+                                      "structured_outputs")
+        return list(value)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}", "structured_outputs")
     return value

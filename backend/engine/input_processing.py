@@ -43,7 +43,7 @@ def check_params(params: SamplingParams, max_num_seqs: int) -> None:
         # Its sequences all run at once (they fork at the first token).
         raise InvalidRequestError(f"{field} must be <= max_num_seqs ({max_num_seqs}), got {width}", field)
     if params.beam_width > 1:
-        for name in ("stop", "prompt_logprobs"):
+        for name in ("stop", "prompt_logprobs", "structured_outputs"):
             if getattr(params, name):
                 raise InvalidRequestError(f"{name} is not supported with beam search (beam_width > 1)", name)
 

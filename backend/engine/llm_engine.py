@@ -23,6 +23,7 @@ from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.beam_search import BeamGroup
 from pagedserve.backend.engine.input_processing import check_beams_fit, check_params, resolve_prompt
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
+from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
 from pagedserve.backend.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedserve.backend.worker.sampler import Sampler, SamplerOutput
@@ -67,6 +68,7 @@ class LLMEngine:
         self.eos_token_ids: set[int] = load_eos_token_ids(model_config.model, arch, self.tokenizer)
         self.scheduler = Scheduler(scheduler_config, cache_config, self.runner.num_blocks)
         self.sampler = Sampler(self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # Test hook: called with the SchedulerOutput before each forward; raising fails that step's requests.
         self.fault_injector: FaultInjector | None = None
         self._groups: dict[str, RequestGroup] = {}  # by user request id
@@ -130,6 +132,8 @@ class LLMEngine:
         token_ids = resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids,
                                      add_special_tokens)
         check_params(params, self.scheduler_config.max_num_seqs)
+        # Compiled before the request takes any KV: a spec that does not compile is refused here.
+        grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         salt = None
         if params.prompt_logprobs is not None:
             # Prompt logprobs need logits at every prompt position, so such a request never hits the cache.
@@ -147,7 +151,8 @@ class LLMEngine:
                 raise
             group = BeamGroup(request_id, prompt, request, params, self.eos_token_ids, self._decode)
         else:
-            group = SamplingGroup(request_id, prompt, request, self.tokenizer, self._unused_id)
+            new_matcher = (lambda: self.structured.matcher(grammar)) if grammar is not None else None
+            group = SamplingGroup(request_id, prompt, request, self.tokenizer, self._unused_id, new_matcher)
         self._groups[request_id] = self._owner[request_id] = group
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
@@ -209,6 +214,7 @@ class LLMEngine:
         logits = runner_out.sample_logits
         if batch.rows != list(range(logits.shape[0])):  # the usual case needs no copy of the [R, V] logits
             logits = logits[batch.rows]
+        logits = self.structured.apply(logits, batch.matchers)
         sampled = self.sampler(logits, batch.requests) if batch.requests else None
         tokens = (
             {}
@@ -273,6 +279,8 @@ class LLMEngine:
         (`stop_token`: `_is_stop_token` of that token), length."""
         request = seq.request
         if seq.stop_reason is not None:
+            return RequestStatus.FINISHED_STOPPED
+        if seq.matcher is not None and seq.matcher.is_terminated():
             return RequestStatus.FINISHED_STOPPED
         if stop_token:
             token = request.output_token_ids[-1]

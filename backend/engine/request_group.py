@@ -8,7 +8,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pagedserve.backend.core.outputs import CompletionOutput, RequestOutput
@@ -28,13 +28,15 @@ class StepBatch:
     rows: list[int] = field(default_factory=list)  # logits rows to sample, one per request below
     requests: list[Request] = field(default_factory=list)
     groups: list[SamplingGroup] = field(default_factory=list)  # the group of each request
+    matchers: list[Any] = field(default_factory=list)  # the grammar matcher that masks each row, or None
     forks: list[tuple[SamplingGroup, Request]] = field(default_factory=list)  # children sampled from a row
     ready_beams: dict[str, BeamGroup] = field(default_factory=dict)  # beam groups whose beams all have logits
 
-    def sample(self, row: int, group: SamplingGroup, request: Request) -> None:
+    def sample(self, row: int, group: SamplingGroup, request: Request, matcher: Any = None) -> None:
         self.rows.append(row)
         self.requests.append(request)
         self.groups.append(group)
+        self.matchers.append(matcher)
 
 
 class RequestGroup(ABC):
@@ -78,9 +80,11 @@ class RequestGroup(ABC):
 class SequenceState:
     """One returned sequence: its scheduler Request plus detokenizer, logprobs and what was reported."""
 
-    def __init__(self, index: int, request: Request, tokenizer: Tokenizer, params: SamplingParams):
+    def __init__(self, index: int, request: Request, tokenizer: Tokenizer, params: SamplingParams,
+                 matcher: Any = None):
         self.index = index
         self.request = request
+        self.matcher = matcher  # xgrammar GrammarMatcher of a structured output, advanced token by token
         self.detokenizer = IncrementalDetokenizer(
             tokenizer,
             request.prompt_token_ids,
@@ -102,6 +106,8 @@ class SequenceState:
         """Record a token already appended to the Request: logprobs, text (unless `text` is false: a stop
         token), and a stop string it completes."""
         self.cumulative_logprob += logprob
+        if self.matcher is not None and not self.matcher.is_terminated():
+            self.matcher.accept_token(token_id)  # masked sampling only draws tokens the grammar allows
         if self.logprobs is not None:
             self.logprobs.append(top_logprobs if top_logprobs is not None else {token_id: logprob})
         if self._min_tokens and self.request.num_output_tokens == self._min_tokens:
@@ -141,17 +147,19 @@ class SequenceState:
 class SamplingGroup(RequestGroup):
     """A user request of n sampled sequences, the first one forked into the rest once the prompt is computed.
 
-    `unused_id` turns a wanted child id into one no request holds (the engine knows which are taken)."""
+    `unused_id` turns a wanted child id into one no request holds (the engine knows which are taken);
+    `new_matcher`, for a structured output, makes each sequence's grammar matcher."""
 
     def __init__(self, request_id: str, prompt: str | None, first: Request, tokenizer: Tokenizer,
-                 unused_id: Callable[[str], str]):
+                 unused_id: Callable[[str], str], new_matcher: Callable[[], Any] | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.params = first.sampling_params
         self.arrival_time = first.arrival_time
         self._tokenizer = tokenizer
         self._unused_id = unused_id
-        self.seqs = [SequenceState(0, first, tokenizer, self.params)]
+        self._new_matcher = new_matcher
+        self.seqs = [SequenceState(0, first, tokenizer, self.params, self._matcher())]
         self._by_id = {first.request_id: self.seqs[0]}
         self.num_pending_forks = self.params.n - 1
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -172,12 +180,16 @@ class SamplingGroup(RequestGroup):
 
     def take_logits(self, request_id: str, row: int, logits: torch.Tensor, batch: StepBatch) -> None:
         seq = self._by_id[request_id]
-        batch.sample(row, self, seq.request)
+        batch.sample(row, self, seq.request, seq.matcher)
         if self.num_pending_forks and seq.index == 0:
-            # The children sample from the parent's row: same prompt, same next-token distribution.
+            # The children sample from the parent's row: same prompt, same next-token distribution, and
+            # (no token accepted yet) the same grammar state.
             for child in self._children():
                 batch.forks.append((self, child))
-                batch.sample(row, self, child)
+                batch.sample(row, self, child, seq.matcher)
+
+    def _matcher(self) -> Any:
+        return self._new_matcher() if self._new_matcher is not None else None
 
     def _children(self) -> list[Request]:
         """The n-1 sibling Requests, once the prompt is computed; seeds are offset per index."""
@@ -193,7 +205,7 @@ class SamplingGroup(RequestGroup):
 
     def adopt(self, child: Request) -> SequenceState:
         """A forked child becomes the next sequence."""
-        seq = SequenceState(len(self.seqs), child, self._tokenizer, child.sampling_params)
+        seq = SequenceState(len(self.seqs), child, self._tokenizer, child.sampling_params, self._matcher())
         self.seqs.append(seq)
         self._by_id[child.request_id] = seq
         self.num_pending_forks -= 1

@@ -4,6 +4,7 @@ n > 1, the return_* outputs, 32 concurrent streams, cancellation and metrics."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -209,3 +210,20 @@ def test_genai_perf_vllm_payload_with_string_numbers_is_served(triton_server):
     body = {"text_input": "Hi", "max_tokens": "4", "min_tokens": "4", "temperature": "0",
             "exclude_input_in_output": True, "return_num_output_tokens": True}
     assert triton_server.generate("llm", body)["num_output_tokens"] == 4
+
+
+def test_structured_outputs_in_sampling_parameters_constrain_the_text(triton_server):
+    # vLLM's name (as Triton's vLLM backend takes it) and its older guided_* key.
+    regex = triton_server.grpc_stream("llm", {
+        "text_input": "Code:", "exclude_input_in_output": True,
+        "sampling_parameters": {"temperature": 0.0, "max_tokens": 32, "structured_outputs": {"regex": "[a-c]{2,4}!"}},
+    })
+    assert regex.error is None and re.fullmatch(r"[a-c]{2,4}!", regex.texts()[0]), regex.texts()
+    choice = triton_server.grpc_stream("llm", {
+        "text_input": "Pick:", "exclude_input_in_output": True,
+        "sampling_parameters": {"temperature": 1.0, "seed": 3, "max_tokens": 32, "guided_choice": ["red", "blue"]},
+    })
+    assert choice.error is None and choice.texts()[0] in ("red", "blue")
+    refused = triton_server.grpc_stream("llm", {
+        "text_input": "Code:", "sampling_parameters": {"structured_outputs": {"regex": "[a-"}}})
+    assert refused.responses == [] and "structured_outputs.regex cannot be compiled" in str(refused.error)
