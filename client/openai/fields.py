@@ -22,11 +22,13 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
 KIND_WORDS = {(int, float): "a number", (int,): "an integer", (bool,): "a boolean", (list,): "a list",
               (str,): "a string"}
 
+# Output constraints: OpenAI's response_format and vLLM's extra fields for the engine's structured_outputs.
+STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "max_tokens", "user", "logit_bias",
-                  "add_special_tokens"}
+                  "add_special_tokens", "response_format", *STRUCTURED_FIELDS}
 COMPLETION_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {
-    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format", "tools",
+    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
 }
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
@@ -35,6 +37,7 @@ CHAT_ROLES = {"system", "developer", "user", "assistant"}
 ENGINE_FIELD_TO_PARAM = {
     "text_input": "prompt", "prompt": "prompt", "prompt_token_ids": "prompt", "input_ids": "prompt",
     "max_tokens": "max_tokens", "stop": "stop", "logprobs": "logprobs",
+    "structured_outputs": "structured_outputs", **{name: name for name in STRUCTURED_FIELDS},
     **{name: name for name in SAMPLING_FIELDS},
 }
 

@@ -18,6 +18,7 @@ from pagedserve.client.openai.fields import (
     COMPLETION_FIELDS,
     KIND_WORDS,
     SAMPLING_FIELDS,
+    STRUCTURED_FIELDS,
 )
 
 OPENAI_DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -85,7 +86,8 @@ def parse_completion_request(body: dict) -> CompletionRequest:
         raise bad_request("'best_of' different from 'n' is not supported", "best_of")
     request = CompletionRequest(
         model, prompts, sampling, stream, include_usage, logprobs, _add_special_tokens(body, default=True),
-        param_renames={"prompt_logprobs": "logprobs"}, echo=echo, echo_only=echo_only,
+        param_renames={"prompt_logprobs": "logprobs", **_structured_renames(body)}, echo=echo,
+        echo_only=echo_only,
     )
     _validate_sampling(request)
     return request
@@ -102,7 +104,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
         raise bad_request("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
     # OpenAI's chat default is "until the context is full": None means up to max_model_len.
     sampling["max_tokens"] = max_completion_tokens if max_completion_tokens is not None else max_tokens
-    renames = {"logprobs": "top_logprobs"}
+    renames = {"logprobs": "top_logprobs", **_structured_renames(body)}
     if max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
     logprobs = None
@@ -224,9 +226,6 @@ def _refuse_unsupported(body: dict) -> None:
             raise bad_request(f"'{name}' (tool calling) is not supported by pagedserve yet", name)
     if body.get("tool_choice") not in (None, "none"):
         raise bad_request("'tool_choice' is not supported by pagedserve yet (only 'none')", "tool_choice")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request("'response_format' other than {'type': 'text'} is not supported", "response_format")
     if body.get("store"):
         raise bad_request("'store' is not supported by pagedserve", "store")
 
@@ -248,9 +247,39 @@ def _common(body: dict) -> tuple[str, dict[str, Any], bool, bool]:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad_request("'stop' must be a string or a list of strings", "stop")
         sampling["stop"] = [_utf8(s, "stop") for s in stop]
+    sampling.update(_structured_outputs(body))
     stream = _typed(body, "stream", (bool,)) or False
     _typed(body, "user", (str,))
     return model, sampling, stream, _include_usage(body.get("stream_options"), stream)
+
+
+def _structured_outputs(body: dict) -> dict[str, Any]:
+    """The engine's output constraint from `response_format` (json_object, json_schema) or vLLM's extra
+    fields, which the engine checks; two constraints at once are refused."""
+    given = {name: body[name] for name in STRUCTURED_FIELDS if body.get(name) is not None}
+    response_format = body.get("response_format")
+    if response_format is None or response_format == {"type": "text"}:
+        return given
+    if given:
+        raise bad_request(f"give 'response_format' or '{next(iter(given))}', not both", "response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return {"structured_outputs": {"json_object": True}}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format.json_schema.schema' must be a JSON Schema object",
+                              "response_format")
+        return {"structured_outputs": {"json": schema}}
+    raise bad_request("'response_format' must have type 'text', 'json_object' or 'json_schema'", "response_format")
+
+
+def _structured_renames(body: dict) -> dict[str, str]:
+    """A constraint the user gave as response_format is reported as that field."""
+    if body.get("response_format") not in (None, {"type": "text"}):
+        return {"structured_outputs": "response_format"}
+    return {}
 
 
 def _include_usage(options: Any, stream: bool) -> bool:

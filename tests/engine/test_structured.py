@@ -17,9 +17,8 @@ MAX_TOKENS = 160
 
 
 def _parse(text: str):
-    # xgrammar 0.2.8 lets raw control characters into strings with maxLength or a pattern, which strict
-    # JSON refuses; everything else about the text must be valid JSON.
-    return json.loads(text, strict=False)
+    return json.loads(text)  # strict: raw control characters in a string are not JSON
+
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

@@ -8,7 +8,9 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -214,3 +216,31 @@ def test_disconnect_mid_stream_cancels_the_request_and_frees_its_blocks(shim_url
     triton_server.wait_idle()
     # Cut short: the request did not run to its max_tokens.
     assert triton_server.metric("vllm:generation_tokens_total") - generated_before < n * max_tokens
+
+
+class _City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    population: int = pydantic.Field(ge=0, le=1000)
+
+
+def test_response_format_json_schema_and_pydantic_parse_give_valid_json(client):
+    schema = _City.model_json_schema()
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A city?"}], max_tokens=160, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Another?"}],
+                                           max_tokens=160, temperature=0, response_format=_City)
+    assert isinstance(parsed.choices[0].message.parsed, _City)
+
+
+def test_vllm_extra_fields_constrain_completions(client):
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=4,
+                                      extra_body={"guided_choice": ["Paris", "Lyon"]})
+    assert reply.choices[0].text in ("Paris", "Lyon")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}})
+    assert info.value.body["param"] == "response_format"
