@@ -224,10 +224,7 @@ def _structured_outputs(spec: Any) -> dict | None:
     if spec is None:
         return None
     if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as error:
-            raise _fail(name, f"is not valid JSON: {error}") from None
+        spec = _parse_json(name, spec)
     if not isinstance(spec, dict):
         raise _fail(name, f"must be an object with one of {', '.join(STRUCTURED_KINDS)}, got {type(spec).__name__}")
     given = [key for key, value in spec.items() if value is not None and value is not False]
@@ -240,28 +237,35 @@ def _structured_outputs(spec: Any) -> dict | None:
     return {kind: _structured_value(kind, spec[kind])}
 
 
+def _parse_json(name: str, text: str) -> Any:
+    """`text` parsed as JSON; refused naming structured_outputs (where every spec error is reported)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(f"{name} is not valid JSON: {error}", "structured_outputs") from None
+
+
 def _structured_value(kind: str, value: Any) -> Any:
     name = f"structured_outputs.{kind}"
+
+    def refuse(message: str) -> InvalidRequestError:
+        return InvalidRequestError(f"{name} {message}", "structured_outputs")
+
     if kind == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise InvalidRequestError(f"{name} is not valid JSON: {error}", "structured_outputs") from None
+            value = _parse_json(name, value)
         if not isinstance(value, (dict, bool)):
-            raise InvalidRequestError(f"{name} must be a JSON Schema object, got {type(value).__name__}",
-                                      "structured_outputs")
+            raise refuse(f"must be a JSON Schema object, got {type(value).__name__}")
         return value
     if kind == "json_object":
         if value is not True:
-            raise InvalidRequestError(f"{name} must be true, got {value!r}", "structured_outputs")
+            raise refuse(f"must be true, got {value!r}")
         return True
     if kind == "choice":
         if (not isinstance(value, (list, tuple)) or not 1 <= len(value) <= MAX_CHOICES
                 or not all(isinstance(c, str) and c for c in value)):
-            raise InvalidRequestError(f"{name} must be a list of 1..{MAX_CHOICES} non-empty strings, got {value!r}",
-                                      "structured_outputs")
+            raise refuse(f"must be a list of 1..{MAX_CHOICES} non-empty strings, got {value!r}")
         return list(value)
     if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}", "structured_outputs")
+        raise refuse(f"must be a non-empty string, got {value!r}")
     return value

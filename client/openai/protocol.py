@@ -257,9 +257,9 @@ def _structured_outputs(body: dict) -> dict[str, Any]:
     """The engine's output constraint from `response_format` (json_object, json_schema) or vLLM's extra
     fields, which the engine checks; two constraints at once are refused."""
     given = {name: body[name] for name in STRUCTURED_FIELDS if body.get(name) is not None}
-    response_format = body.get("response_format")
-    if response_format is None or response_format == {"type": "text"}:
+    if not _constrains_format(body):
         return given
+    response_format = body["response_format"]
     if given:
         raise bad_request(f"give 'response_format' or '{next(iter(given))}', not both", "response_format")
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -275,11 +275,14 @@ def _structured_outputs(body: dict) -> dict[str, Any]:
     raise bad_request("'response_format' must have type 'text', 'json_object' or 'json_schema'", "response_format")
 
 
+def _constrains_format(body: dict) -> bool:
+    """Whether `response_format` asks for more than plain text."""
+    return body.get("response_format") not in (None, {"type": "text"})
+
+
 def _structured_renames(body: dict) -> dict[str, str]:
     """A constraint the user gave as response_format is reported as that field."""
-    if body.get("response_format") not in (None, {"type": "text"}):
-        return {"structured_outputs": "response_format"}
-    return {}
+    return {"structured_outputs": "response_format"} if _constrains_format(body) else {}
 
 
 def _include_usage(options: Any, stream: bool) -> bool:
