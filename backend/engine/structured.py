@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.engine.detokenizer import Tokenizer
+from pagedserve.backend.worker.grammar_mask import mask_logits
 
 MAX_CACHED_GRAMMARS = 256
 _JSON_KINDS = ("json", "json_object")
@@ -38,34 +41,62 @@ class StructuredOutputs:
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
-        self._control_tokens: torch.Tensor | None = None  # ids whose bytes include one below 0x20
-        self._cache: dict[str, Any] = {}
+        self._no_control: torch.Tensor | None = None  # a bitmask row allowing all but tokens with a control byte
+        self._cache: OrderedDict[str, Future] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     def _xgr(self) -> Any:
         import xgrammar
 
         if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                           stop_token_ids=self._stop_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info)
-            ids = [i for i, piece in enumerate(info.decoded_vocab)
-                   if i not in self._stop_token_ids and any(b < 0x20 for b in piece)]
-            self._control_tokens = torch.tensor(ids, dtype=torch.long)
+            with self._load_lock:  # the grammar thread and the engine thread may both come first
+                if self._compiler is None:
+                    self._load(xgrammar)
         return xgrammar
 
+    def _load(self, xgrammar: Any) -> None:
+        info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                       stop_token_ids=self._stop_token_ids)
+        ids = [i for i, piece in enumerate(info.decoded_vocab)
+               if i not in self._stop_token_ids and any(b < 0x20 for b in piece)]
+        self._no_control = no_control_words(ids, self._vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info)
+
     def compile(self, spec: dict) -> tuple[Any, bool]:
-        """(compiled grammar, whether it is JSON) of a checked spec (SamplingParams.structured_outputs); a
-        spec xgrammar cannot compile is refused naming structured_outputs."""
+        """(compiled grammar, whether it is JSON) of a checked spec (SamplingParams.structured_outputs),
+        waiting for it; a spec xgrammar cannot compile is refused naming structured_outputs."""
+        return self.compile_async(spec).result()
+
+    def compile_async(self, spec: dict) -> Future:
+        """A future of `compile(spec)`: done at once for a cached spec, else compiled on the grammar thread
+        (xgrammar releases the GIL while it compiles, so the engine thread steps meanwhile)."""
         key = json.dumps(spec, sort_keys=True)
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is None:
-                compiled = self._compile(spec)
-                if len(self._cache) >= MAX_CACHED_GRAMMARS:
-                    self._cache.pop(next(iter(self._cache)))
-                self._cache[key] = compiled
-            return compiled, next(iter(spec)) in _JSON_KINDS
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+            future = self._pool.submit(self._compile_entry, spec)
+            if len(self._cache) >= MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+            self._cache[key] = future
+        return future
+
+    def _compile_entry(self, spec: dict) -> tuple[Any, bool]:
+        try:
+            return self._compile(spec), next(iter(spec)) in _JSON_KINDS
+        except InvalidRequestError:
+            raise  # kept in the cache: the same bad spec is refused again at once
+        except BaseException:
+            with self._lock:  # an unexpected failure is not remembered: the next request tries again
+                key = json.dumps(spec, sort_keys=True)
+                if key in self._cache and self._cache[key].done() is False:
+                    del self._cache[key]
+            raise
 
     def _compile(self, spec: dict) -> Any:
         self._xgr()
@@ -94,21 +125,27 @@ class StructuredOutputs:
         return GrammarState(self._xgr().GrammarMatcher(compiled), ban_control_bytes=is_json)
 
     def apply(self, logits: torch.Tensor, matchers: list[GrammarState | None]) -> torch.Tensor:
-        """Mask row i of `logits` [R, V] to the tokens matchers[i] allows (rows with None untouched)."""
+        """Mask row i of `logits` [R, V] to the tokens matchers[i] allows (rows with None untouched): the
+        matchers fill one host bitmask, which goes to the logits' device in one copy."""
         rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
         if not rows:
             return logits
         xgr = self._xgr()
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        bitmask = xgr.allocate_token_bitmask(len(matchers), self._vocab_size)
-        for i in rows:
-            matchers[i].matcher.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self._vocab_size,
-                                        indices=rows)
-        banned = [i for i in rows if matchers[i].ban_control_bytes]
-        if banned and self._control_tokens.numel():
-            with torch.inference_mode():  # the runner's logits are inference tensors
-                rows_t = torch.tensor(banned, device=logits.device)[:, None]
-                logits[rows_t, self._control_tokens.to(logits.device)[None, :]] = -float("inf")
+        bitmask = xgr.allocate_token_bitmask(len(rows), self._vocab_size)
+        json_rows = []
+        for k, i in enumerate(rows):
+            matchers[i].matcher.fill_next_token_bitmask(bitmask, k)
+            if matchers[i].ban_control_bytes:
+                json_rows.append(k)
+        if json_rows:
+            bitmask[json_rows] &= self._no_control
+        mask_logits(logits, bitmask, rows)
         return logits
+
+
+def no_control_words(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """A bitmask row [ceil(V / 32)] int32 with every bit set but those of `token_ids`."""
+    words = torch.full(((vocab_size + 31) // 32,), -1, dtype=torch.int32)
+    for token in token_ids:
+        words[token // 32] &= ~(1 << (token % 32)) if token % 32 != 31 else 0x7FFFFFFF
+    return words

@@ -118,8 +118,15 @@ class Sampler:
             return logits, set()
         logits = logits.clone()
         rows, cols = zip(*banned, strict=True)
+        touched = sorted(set(rows))
+        before = logits[touched]
         logits[list(rows), list(cols)] = -float("inf")
-        return logits, set(rows)
+        alive = logits[touched].isfinite().any(dim=1).tolist()
+        dead = [k for k, ok in enumerate(alive) if not ok]
+        if dead:
+            # A row left with no token (its grammar allows only its end) keeps its stop tokens: the grammar wins.
+            logits[[touched[k] for k in dead]] = before[dead]
+        return logits, {touched[k] for k, ok in enumerate(alive) if ok}
 
     def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw one token per row; also return each row's logsumexp of the (scaled, masked) logits."""

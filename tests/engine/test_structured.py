@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.structured import no_control_words
 
 from tests.support.engines import cpu_engine
 
@@ -160,3 +161,35 @@ def test_vllm_guided_keys_are_the_same_spec():
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams.from_dict({"guided_regex": "a+", "structured_outputs": {"choice": ["x"]}})
     assert info.value.field == "structured_outputs"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_ends_before_min_tokens_ends_the_output_with_stop(engine, temperature):
+    params = SamplingParams(temperature=temperature, seed=3, n=3 if temperature else 1, max_tokens=20,
+                            min_tokens=6, structured_outputs={"regex": "ab"})
+    for completion in engine.generate("Hi", params)[0].outputs:
+        assert (completion.text, completion.finish_reason) == ("ab", "stop")
+        assert completion.token_ids[-1] in engine.eos_token_ids
+
+
+def test_min_tokens_still_holds_off_the_end_while_the_grammar_goes_on(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5, structured_outputs={"regex": "a+"})
+    completion = engine.generate("Hi", params)[0].outputs[0]
+    assert re.fullmatch("a+", completion.text) and len(completion.token_ids) >= 5
+
+
+def test_the_control_byte_row_clears_exactly_the_given_tokens():
+    words = no_control_words([0, 31, 32, 70], 71)
+    allowed = [t for t in range(71) if (int(words[t // 32]) >> (t % 32)) & 1]
+    assert allowed == [t for t in range(71) if t not in (0, 31, 32, 70)]
+
+
+def test_a_compile_runs_off_the_caller_and_a_cached_spec_is_ready_at_once(engine):
+    spec = {"json": {"type": "object", "properties": {"compiled_once": {"type": "integer"}}}}
+    first = engine.structured.compile_async(spec)
+    first.result(timeout=30)
+    again = engine.structured.compile_async(json.loads(json.dumps(spec)))
+    assert again is first and again.done()
+    bad = engine.structured.compile_async({"regex": "(unclosed"})
+    with pytest.raises(InvalidRequestError, match="structured_outputs.regex cannot be compiled"):
+        bad.result(timeout=30)
