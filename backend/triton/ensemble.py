@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from pagedserve.backend.core.errors import InvalidRequestError, from_wire, to_wire
+from pagedserve.backend.core.errors import ErrorKind, InvalidRequestError, from_wire, to_wire
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.detokenizer import detokenize_incrementally
 from pagedserve.backend.triton.inputs import MAX_PROMPT_BYTES, input_tensors, request_parameters
@@ -45,6 +45,10 @@ _SAMPLING_INPUTS = (
 _RENAMED_INPUTS = {"seed": ("seed", "random_seed"), "min_tokens": ("min_tokens", "min_length")}
 # TensorRT-LLM outputs pagedserve does not produce: their request flags are accepted only when false.
 _UNSUPPORTED_FLAGS = ("return_context_logits", "return_generation_logits", "return_perf_metrics")
+GUIDE_TYPE = "guided_decoding_guide_type"
+GUIDE = "guided_decoding_guide"
+# TensorRT-LLM's guide types -> the llm's structured_outputs kind; its `json` is any JSON, with no schema.
+_GUIDE_KINDS = {"json": "json_object", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
 
 class RowInputs:
@@ -132,8 +136,48 @@ def row_sampling_parameters(inputs: RowInputs, row: int) -> dict[str, Any]:
             raise InvalidRequestError(f"{flag} is not supported by pagedserve", flag)
     if inputs.scalar("return_log_probs", row):
         settings["logprobs"] = 0
+    structured = row_structured_outputs(inputs, row)
+    if structured is not None:
+        settings["structured_outputs"] = structured
     SamplingParams.from_dict(settings)
     return settings
+
+
+def row_structured_outputs(inputs: RowInputs, row: int) -> dict | None:
+    """The llm's structured_outputs from TensorRT-LLM's guided decoding inputs of one row; None when the row
+    has no guide type (an empty one pads the rows of a batch that go unguided)."""
+    guide_type = next(iter(inputs.strings(GUIDE_TYPE, row)), "")
+    guide = next(iter(inputs.strings(GUIDE, row)), "")
+    if not guide_type:
+        if guide:
+            raise InvalidRequestError(f"{GUIDE_TYPE} must be given with {GUIDE}", GUIDE_TYPE)
+        return None
+    kind = _GUIDE_KINDS.get(guide_type)
+    if kind is None:
+        raise InvalidRequestError(f"{GUIDE_TYPE} must be one of {', '.join(_GUIDE_KINDS)}, got {guide_type!r}",
+                                  GUIDE_TYPE)
+    if kind == "json_object":
+        return {kind: True}  # as TensorRT-LLM, which reads no guide for this type
+    if not guide:
+        raise InvalidRequestError(f"{GUIDE} must not be empty with {GUIDE_TYPE} {guide_type}", GUIDE)
+    if kind != "json":
+        return {kind: guide}
+    try:
+        schema = json.loads(guide)
+    except json.JSONDecodeError as error:
+        raise InvalidRequestError(f"{GUIDE} is not valid JSON: {error}", GUIDE) from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{GUIDE} must be a JSON Schema object, got {type(schema).__name__}", GUIDE)
+    return {kind: schema}
+
+
+def row_error_message(message: str) -> str:
+    """An llm error of one row as the ensemble's client should read it: a refusal of the structured_outputs
+    made from the guide names the guide input the client sent."""
+    wire = from_wire(message)
+    if wire is None or wire.kind is not ErrorKind.INVALID_ARGUMENT or wire.field != "structured_outputs":
+        return message
+    return to_wire(InvalidRequestError(wire.message, GUIDE))
 
 
 @dataclass
@@ -315,7 +359,7 @@ class EnsembleModel:
         try:
             for response in _llm_request(row).exec(decoupled=True):
                 if response.has_error():
-                    responder.fail(index, response.error().message(), response.error().code())
+                    responder.fail(index, row_error_message(response.error().message()), response.error().code())
                     continue
                 outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
                 if not outputs:

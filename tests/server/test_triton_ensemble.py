@@ -87,3 +87,11 @@ def test_grpc_stream_through_the_ensemble_with_trtllm_tensor_names(triton_server
     assert cumulative == pytest.approx(sum(per_token), abs=1e-3)
     assert whole.responses[0].as_numpy("output_log_probs").shape == (1, 1, 10)
     assert whole.responses[0].as_numpy("text_output").shape == (1,)
+
+
+def test_preprocessing_turns_trtllm_guided_decoding_into_the_llm_structured_outputs(triton_server):
+    answer = triton_server.generate("preprocessing", {
+        "text_input": "Hi", "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": '{"type": "integer"}'})
+    assert json.loads(answer["sampling_parameters"])["structured_outputs"] == {"json": {"type": "integer"}}
+    refused = triton_server.generate("preprocessing", {"text_input": "Hi", "guided_decoding_guide_type": "regex"})
+    assert refused["error"].startswith("guided_decoding_guide must not be empty")

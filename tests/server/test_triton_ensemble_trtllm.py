@@ -5,8 +5,11 @@ generate / generate_stream JSON of its docs."""
 
 from __future__ import annotations
 
+import json
 import queue
+import re
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -22,6 +25,7 @@ DTYPES = {
     "temperature": np.float32, "top_p": np.float32, "seed": np.uint64, "random_seed": np.uint64,
     "stream": np.bool_, "exclude_input_in_output": np.bool_, "return_log_probs": np.bool_,
     "return_context_logits": np.bool_,
+    "guided_decoding_guide_type": np.object_, "guided_decoding_guide": np.object_,
 }
 
 
@@ -186,3 +190,107 @@ def test_trtllm_inputs_pagedserve_cannot_honour_are_refused_by_name(triton_serve
 def test_tensors_without_the_batch_dimension_are_refused_naming_the_input(triton_server):
     _, errors = stream_all(triton_server, {"text_input": np.array([b"Hello"], dtype=np.object_)})
     assert errors and "unexpected shape for input 'text_input'" in errors[0]
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9999}},
+                 "required": ["answer"], "additionalProperties": False}
+DIGITS_REGEX = "[0-9]{4}"
+PAREN_GRAMMAR = 'root ::= "(" [0-9] [0-9]? [0-9]? ")"'
+# TensorRT-LLM's guide type -> (its guide, the llm's structured_outputs for it).
+GUIDES = {
+    "json": ("", {"json_object": True}),
+    "json_schema": (json.dumps(ANSWER_SCHEMA), {"json": ANSWER_SCHEMA}),
+    "regex": (DIGITS_REGEX, {"regex": DIGITS_REGEX}),
+    "ebnf_grammar": (PAREN_GRAMMAR, {"grammar": PAREN_GRAMMAR}),
+}
+
+
+def assert_follows_guide(guide_type: str, text: str) -> None:
+    """`text` is what the guide allows, whole: JSON, the schema's JSON, the regex's or grammar's string."""
+    if guide_type == "json":
+        json.loads(text)
+    elif guide_type == "json_schema":
+        jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+    elif guide_type == "regex":
+        assert re.fullmatch(DIGITS_REGEX, text), text
+    else:
+        assert re.fullmatch(r"\([0-9]{1,3}\)", text), text
+
+
+# A prompt on which the tiny model's greedy any-JSON ends within max_tokens (its grammar is unbounded).
+GUIDED_PROMPT = "Reply in JSON:"
+
+
+def guided_row(guide_type: str, max_tokens: int = 48, **extra) -> dict:
+    """A greedy row with the guide of GUIDES[guide_type]; min_length 0 so the grammar's end ends it."""
+    return greedy_row(GUIDED_PROMPT, max_tokens, min_length=0, guided_decoding_guide_type=guide_type,
+                      guided_decoding_guide=GUIDES[guide_type][0], **extra)
+
+
+@pytest.mark.parametrize("guide_type", list(GUIDES))
+def test_each_guide_type_constrains_the_row_as_the_llm_constrains_its_spec(triton_server, guide_type):
+    results, errors = stream_all(triton_server, trtllm_batch([guided_row(guide_type)]))
+    assert errors == []
+    (text,) = by_row(results)[0]
+    assert_follows_guide(guide_type, text)
+    llm = triton_server.generate("llm", {
+        "text_input": GUIDED_PROMPT, "exclude_input_in_output": True, "return_finish_reason": True,
+        "sampling_parameters": {"temperature": 0.0, "max_tokens": 48, "structured_outputs": GUIDES[guide_type][1]}})
+    assert llm["finish_reason"] == "stop" and text == llm["text_output"]
+
+
+def test_a_batch_guides_each_row_by_its_own_guide_and_leaves_an_unguided_row_alone(triton_server):
+    unguided = greedy_row("Paged attention stores keys", 8, guided_decoding_guide_type="", guided_decoding_guide="")
+    rows = [guided_row(guide_type, stream=True) for guide_type in GUIDES] + [{**unguided, "stream": True}]
+    results, errors = stream_all(triton_server, trtllm_batch(rows))
+    assert errors == []
+    texts = {row: "".join(parts) for row, parts in by_row(results).items()}
+    assert sorted(texts) == list(range(len(rows)))
+    for index, guide_type in enumerate(GUIDES):
+        assert_follows_guide(guide_type, texts[index])
+    alone, _ = stream_all(triton_server, trtllm_batch([{key: unguided[key] for key in unguided
+                                                         if not key.startswith("guided")}]))
+    assert texts[len(GUIDES)] == by_row(alone)[0][0]
+    assert finals(results)[-1]
+
+
+@pytest.mark.parametrize(("guide_type", "guide", "field", "words"), [
+    ("xml", "<a/>", "guided_decoding_guide_type", "must be one of json, json_schema, regex, ebnf_grammar"),
+    ("regex", "", "guided_decoding_guide", "must not be empty with guided_decoding_guide_type regex"),
+    ("ebnf_grammar", "", "guided_decoding_guide", "must not be empty"),
+    ("json_schema", "{not json", "guided_decoding_guide", "is not valid JSON"),
+    ("json_schema", "[1, 2]", "guided_decoding_guide", "must be a JSON Schema object"),
+    ("", "[0-9]+", "guided_decoding_guide_type", "must be given with guided_decoding_guide"),
+], ids=["unknown-type", "regex-without-guide", "grammar-without-guide", "schema-not-json", "schema-not-object",
+        "guide-without-type"])
+def test_a_bad_guide_refuses_the_batch_naming_the_input_and_the_row(triton_server, guide_type, guide, field, words):
+    bad = greedy_row("Hi", 4, guided_decoding_guide_type=guide_type, guided_decoding_guide=guide)
+    _, errors = stream_all(triton_server, trtllm_batch([bad]))
+    assert len(errors) == 1 and errors[0].startswith(field) and words in errors[0]
+    assert f"field={field}]" in errors[0]
+    fine = greedy_row("Hi", 4, guided_decoding_guide_type="regex", guided_decoding_guide="[a-c]+")
+    results, errors = stream_all(triton_server, trtllm_batch([fine, bad]), errors_to_end=1)
+    assert results == [] and len(errors) == 1
+    assert errors[0].startswith(field) and "(batch_index 1)" in errors[0]
+
+
+def test_a_guide_the_engine_cannot_compile_fails_its_row_naming_the_guide(triton_server):
+    rows = [guided_row("regex", stream=True),
+            greedy_row("Hi", 4, min_length=0, guided_decoding_guide_type="regex", guided_decoding_guide="[a-",
+                       stream=True)]
+    results, errors = stream_all(triton_server, trtllm_batch(rows))
+    assert len(errors) == 1 and errors[0].startswith("guided_decoding_guide: structured_outputs.regex cannot be")
+    assert "(batch_index 1)" in errors[0] and errors[0].endswith("field=guided_decoding_guide]")
+    assert sorted(by_row(results)) == [0]
+    assert_follows_guide("regex", "".join(by_row(results)[0]))
+
+
+def test_http_generate_takes_the_guided_decoding_json_of_trtllm_docs(triton_server):
+    body = {"text_input": GUIDED_PROMPT, "max_tokens": 48, "bad_words": "", "stop_words": "",
+            "guided_decoding_guide_type": "json", "exclude_input_in_output": True, "temperature": 0.0}
+    json.loads(triton_server.generate("ensemble", body)["text_output"])
+    schema = {**body, "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": json.dumps(ANSWER_SCHEMA)}
+    events = triton_server.generate_stream("ensemble", {**schema, "stream": True})
+    jsonschema.validate(json.loads("".join(e["text_output"] for e in events)), ANSWER_SCHEMA)
+    status, text = triton_server.post("/v2/models/ensemble/generate", {**body, "guided_decoding_guide_type": "yaml"})
+    assert status == 400 and "guided_decoding_guide_type" in text
