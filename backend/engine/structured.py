@@ -4,7 +4,9 @@ one token bitmask per step applied to the rows that have a matcher, before any o
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -15,7 +17,11 @@ from pagedserve.backend.engine.detokenizer import Tokenizer
 from pagedserve.backend.worker.grammar_mask import mask_logits
 
 MAX_CACHED_GRAMMARS = 256
+# Test hook: a spec whose JSON holds `StructuredOutputs.slow_marker` (the llm model's fault marker) compiles
+# this much later, standing in for a large schema on a real vocabulary.
+SLOW_MARKER_DELAY_SECONDS = 2.0
 _JSON_KINDS = ("json", "json_object")
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class GrammarState:
@@ -46,6 +52,7 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self.slow_marker = ""
 
     def _xgr(self) -> Any:
         import xgrammar
@@ -87,6 +94,8 @@ class StructuredOutputs:
         return future
 
     def _compile_entry(self, spec: dict) -> tuple[Any, bool]:
+        if self.slow_marker and self.slow_marker in json.dumps(spec):
+            time.sleep(SLOW_MARKER_DELAY_SECONDS)
         try:
             return self._compile(spec), next(iter(spec)) in _JSON_KINDS
         except InvalidRequestError:
@@ -115,7 +124,9 @@ class StructuredOutputs:
                 return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in value))
             return compiler.compile_grammar(value)
         except Exception as error:  # noqa: BLE001 - xgrammar reports every bad spec as a RuntimeError
-            detail = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            lines = str(error).strip().splitlines()
+            # xgrammar prefixes its messages with "[hh:mm:ss] /project/cpp/file.cc:83: ".
+            detail = _XGRAMMAR_PREFIX.sub("", lines[-1]) if lines else type(error).__name__
             raise InvalidRequestError(f"structured_outputs.{kind} cannot be compiled: {detail}",
                                       "structured_outputs") from None
 

@@ -14,6 +14,7 @@ from pagedserve.backend.triton.messages import (
     Cancel,
     CountStepFailure,
     Fence,
+    GrammarReady,
     InboxItem,
     InFlight,
     SendCancelled,
@@ -59,6 +60,7 @@ class EngineLoop:
         self._outbox = outbox
         self._watch = watch
         self._active: dict[str, InFlight] = {}
+        self._compiling: dict[str, InFlight] = {}  # waiting for their grammar, not in the engine yet
         self._grace_over = False  # the in-flight requests were ended for the unload
         self._ended_in_step = 0  # requests the last step ended, and when it ended
         self._step_end = 0.0
@@ -86,6 +88,10 @@ class EngineLoop:
                     self._end_all()
                 elif isinstance(item, Cancel):
                     self._abort(item.request_id)
+                elif isinstance(item, GrammarReady):
+                    request = self._compiling.pop(item.request_id, None)
+                    if request is not None:  # else it was cancelled or ended meanwhile
+                        self._admit(request)
                 else:
                     self._add(item)
             if engine.has_unfinished_requests():
@@ -133,6 +139,20 @@ class EngineLoop:
             # execute() passed it just before the cancel watcher closed the model: end it as the others were.
             self._outbox.put_for(request, SendError(request, ShuttingDownError(SHUTTING_DOWN)))
             return
+        spec = request.inputs.params.structured_outputs
+        if spec:
+            # A grammar not compiled yet is compiled on the grammar thread while the engine steps on; the
+            # request joins the engine when it is ready (a compile error is then its refusal).
+            future = self.engine.structured.compile_async(spec)
+            if not future.done():
+                self._compiling[request.request_id] = request
+                self._watch.put(request)
+                future.add_done_callback(lambda _, rid=request.request_id: self.inbox.put(GrammarReady(rid)))
+                return
+        self._admit(request, watch=True)
+
+    def _admit(self, request: InFlight, watch: bool = False) -> None:
+        """Add the request to the engine; a refusal is its error response."""
         inputs = request.inputs
         try:
             self.engine.add_request(request.request_id, inputs.prompt, inputs.params,
@@ -142,7 +162,8 @@ class EngineLoop:
             self._outbox.put_for(request, SendError(request, error))
             return
         self._active[request.request_id] = request
-        self._watch.put(request)
+        if watch:
+            self._watch.put(request)
         if self.fault_marker and inputs.prompt and self.fault_marker in inputs.prompt:
             self._fault_ids.add(request.request_id)
 
@@ -151,6 +172,9 @@ class EngineLoop:
         request = self._active.pop(request_id, None)
         if request is not None:
             self.engine.abort_request(request_id)
+        else:
+            request = self._compiling.pop(request_id, None)
+        if request is not None:
             self._outbox.put_for(request, SendCancelled(request))
 
     def _step(self) -> None:
@@ -217,7 +241,8 @@ class EngineLoop:
     def _end_all(self) -> None:
         """End every running and queued request with an error: the model is shutting down."""
         error = ShuttingDownError(SHUTTING_DOWN)
-        pending = list(self._active.values())
+        pending = [*self._active.values(), *self._compiling.values()]
+        self._compiling.clear()
         while True:
             try:
                 item = self.inbox.get_nowait()

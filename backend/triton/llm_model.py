@@ -115,6 +115,7 @@ class TritonPythonModel:
             loop.fault_marker = os.environ.get(FAULT_MARKER_ENV, "")
             if loop.fault_marker:
                 engine.fault_injector = loop.inject_fault
+                engine.structured.slow_marker = loop.fault_marker
             encoder = OutputEncoder(engine.tokenizer)
             for responder in self._responders:
                 responder.encoder = encoder

@@ -50,6 +50,13 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class GrammarReady:
+    """This request's structured-output grammar finished compiling (or failed to): it may join the engine."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Unloading:
     """The grace period after the model began unloading is over: end what is in flight."""
 
@@ -59,7 +66,7 @@ class Stop:
     """finalize(): end what is in flight and leave the loop."""
 
 
-InboxItem = InFlight | Cancel | Unloading | Stop
+InboxItem = InFlight | Cancel | GrammarReady | Unloading | Stop
 
 
 # ---- outbox: to the response senders
