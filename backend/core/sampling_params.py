@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.logits_params import check_allowed_token_ids, check_bad_words, check_logit_bias
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -73,6 +74,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # One of {"json": schema, "regex": str, "choice": [str], "grammar": EBNF str, "json_object": true}.
     structured_outputs: dict | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    # bad_words as token-id sequences, filled in by the engine from its tokenizer.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -80,6 +86,9 @@ class SamplingParams:
         self._check_lengths()
         self._check_stops()
         self.structured_outputs = _structured_outputs(self.structured_outputs)
+        self.logit_bias = check_logit_bias(self.logit_bias)
+        self.allowed_token_ids = check_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = check_bad_words(self.bad_words)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _bool(name, getattr(self, name))
         _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
@@ -161,7 +170,7 @@ class SamplingParams:
                 f"sampling_parameters must be a JSON object, got {type(d).__name__}", "sampling_parameters"
             )
         d = _with_guided_keys(d)
-        known = _FIELD_TYPES
+        known = {name: kind for name, kind in _FIELD_TYPES.items() if name not in _ENGINE_FILLED}
         for key in d:
             if key not in known:
                 raise InvalidRequestError(
@@ -171,6 +180,7 @@ class SamplingParams:
 
 
 _FIELD_TYPES = {f.name: f.type for f in fields(SamplingParams)}
+_ENGINE_FILLED = frozenset({"bad_words_token_ids"})  # not a request field
 _TRUE_WORDS = frozenset({"true", "1", "yes", "y", "on", "t"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "n", "off", "f"})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pagedserve.backend.core.config import CacheConfig
 from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.logits_params import check_token_ids_in_vocab
 from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.detokenizer import Tokenizer
@@ -46,6 +47,20 @@ def check_params(params: SamplingParams, max_num_seqs: int) -> None:
         for name in ("stop", "prompt_logprobs", "structured_outputs"):
             if getattr(params, name):
                 raise InvalidRequestError(f"{name} is not supported with beam search (beam_width > 1)", name)
+
+
+def resolve_logits_params(tokenizer: Tokenizer, vocab_size: int, params: SamplingParams) -> None:
+    """Check the token ids of logit_bias and allowed_token_ids against the vocabulary, and tokenize
+    bad_words: each word alone and after a space (how it reads mid-text), as vLLM does."""
+    check_token_ids_in_vocab("logit_bias", params.logit_bias, vocab_size)
+    check_token_ids_in_vocab("allowed_token_ids", params.allowed_token_ids, vocab_size)
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    params.bad_words_token_ids = sequences
 
 
 def check_beams_fit(request: Request, cache_config: CacheConfig, num_blocks: int) -> None:

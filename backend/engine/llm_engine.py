@@ -21,7 +21,12 @@ from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.beam_search import BeamGroup
-from pagedserve.backend.engine.input_processing import check_beams_fit, check_params, resolve_prompt
+from pagedserve.backend.engine.input_processing import (
+    check_beams_fit,
+    check_params,
+    resolve_logits_params,
+    resolve_prompt,
+)
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
@@ -132,6 +137,7 @@ class LLMEngine:
         token_ids = resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids,
                                      add_special_tokens)
         check_params(params, self.scheduler_config.max_num_seqs)
+        resolve_logits_params(self.tokenizer, self.vocab_size, params)
         # Compiled before the request takes any KV: a spec that does not compile is refused here.
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
         salt = None

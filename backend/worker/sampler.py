@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.worker.logits_processors import apply_logits_processors
 
 from pagedserve import kernels
 
@@ -72,7 +73,9 @@ class Sampler:
             raise ValueError(f"logits has {logits.shape[0]} rows for {len(requests)} requests")
         logits = logits.float()
         params = [r.sampling_params for r in requests]
-        adjusted, banned_rows = self._apply_min_tokens(logits, requests)
+        adjusted, processed_rows = apply_logits_processors(logits, requests)
+        adjusted, banned_rows = self._apply_min_tokens(adjusted, requests)
+        banned_rows |= processed_rows
         adjusted = apply_penalties(adjusted, requests)
 
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _TEMPERATURE_EPS]
