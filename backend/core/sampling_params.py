@@ -77,6 +77,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: all that fit
     # bad_words as token-id sequences, filled in by the engine from its tokenizer.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
@@ -89,6 +90,8 @@ class SamplingParams:
         self.logit_bias = check_logit_bias(self.logit_bias)
         self.allowed_token_ids = check_allowed_token_ids(self.allowed_token_ids)
         self.bad_words = check_bad_words(self.bad_words)
+        if self.truncate_prompt_tokens != -1:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, optional=True)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _bool(name, getattr(self, name))
         _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)

@@ -36,6 +36,15 @@ def resolve_prompt(tokenizer: Tokenizer, vocab_size: int, prompt: str | None,
     return ids
 
 
+def truncate_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens, as vLLM keeps them; -1 keeps as many as leave room
+    for one new token."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len - 1 if keep == -1 else keep):]
+
+
 def check_params(params: SamplingParams, max_num_seqs: int) -> None:
     """Refuse what the engine cannot run: more sequences than run at once, beam search with features it
     does not combine with."""

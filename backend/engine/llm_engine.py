@@ -26,6 +26,7 @@ from pagedserve.backend.engine.input_processing import (
     check_params,
     resolve_logits_params,
     resolve_prompt,
+    truncate_prompt,
 )
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
 from pagedserve.backend.engine.structured import StructuredOutputs
@@ -137,6 +138,7 @@ class LLMEngine:
         token_ids = resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids,
                                      add_special_tokens)
         check_params(params, self.scheduler_config.max_num_seqs)
+        token_ids = truncate_prompt(token_ids, params, self.scheduler_config.max_model_len)
         resolve_logits_params(self.tokenizer, self.vocab_size, params)
         # Compiled before the request takes any KV: a spec that does not compile is refused here.
         grammar = self.structured.compile(params.structured_outputs) if params.structured_outputs else None
