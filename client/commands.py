@@ -1,12 +1,14 @@
 """`pagedserve generate` (one prompt, optionally streamed) and `pagedserve chat` (interactive, in the terminal).
 
 Both talk to tritonserver's `llm` model over gRPC; Ctrl-C cancels the running request on the server.
+With `--json-schema FILE`, `--regex PATTERN` or `--choice TEXT` (repeated) every reply is constrained to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -36,6 +38,34 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--frequency-penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    _add_structured_arguments(parser)
+
+
+def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    """At most one output constraint; argparse itself refuses two (exit code 2, both flags named)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", type=_json_schema_file, default=None, metavar="FILE",
+                       help="reply with JSON valid against the JSON Schema in FILE")
+    group.add_argument("--regex", default=None, metavar="PATTERN", help="reply with text matching PATTERN")
+    group.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                       help="reply with exactly one of the choices (repeat: --choice yes --choice no)")
+
+
+def _json_schema_file(path: str) -> dict | bool:
+    """The JSON Schema read from `path`; argparse reports a failure as `argument --json-schema: ...`."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {reason}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(schema, (dict, bool)):
+        kind = type(schema).__name__
+        raise argparse.ArgumentTypeError(f"{path} must hold a JSON Schema object, got {kind}")
+    return schema
 
 
 def sampling_parameters(args: argparse.Namespace) -> dict:
@@ -44,7 +74,19 @@ def sampling_parameters(args: argparse.Namespace) -> dict:
              "presence_penalty", "frequency_penalty", "seed", "stop")
     params = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     params.setdefault("max_tokens", None)
+    spec = structured_outputs(args)
+    if spec is not None:
+        params["structured_outputs"] = spec
     return params
+
+
+def structured_outputs(args: argparse.Namespace) -> dict | None:
+    """The llm model's `structured_outputs` spec of --json-schema, --regex or --choice (None without one)."""
+    for flag, kind in (("json_schema", "json"), ("regex", "regex"), ("choice", "choice")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            return {kind: value}
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
