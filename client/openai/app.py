@@ -1,7 +1,7 @@
 """The FastAPI application: routes only; each generation endpoint is a `Generation` subclass.
 
-`/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE streaming as OpenAI frames it), `/health`,
-and `/metrics` passed through from Triton; every error answers in OpenAI's JSON shape.
+`/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE streaming as OpenAI frames it), vLLM's
+`/tokenize` and `/detokenize`, `/health`, and `/metrics` passed through from Triton; every error answers in OpenAI's JSON shape.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, bad_request
 from pagedserve.client.openai.generation import Generation
 from pagedserve.client.openai.serving_chat import ChatGeneration
 from pagedserve.client.openai.serving_completion import CompletionGeneration
+from pagedserve.client.openai.serving_tokens import detokenize, tokenize
 from pagedserve.client.openai.shim import OpenAIShim, ShimSettings
 from pagedserve.client.openai.streams import ClientGone, merge_streams, unless_disconnected
 from pagedserve.client.triton_client import LLMResponse
@@ -48,12 +49,16 @@ def create_app(settings: ShimSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=authorized)
     async def list_models() -> dict:
-        return {"object": "list", "data": [shim.model_card()]}
+        return {"object": "list", "data": await shim.model_cards()}
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized)
     async def get_model(model_id: str) -> dict:
         shim.check_model(model_id)
-        return shim.model_card()
+        return next(card for card in await shim.model_cards() if card["id"] == model_id)
+
+    for path, handler in (("/tokenize", tokenize), ("/detokenize", detokenize)):
+        app.add_api_route(path, _json_route(shim, handler), methods=["POST"], dependencies=authorized,
+                          name=handler.__name__)
 
     for path, endpoint in ENDPOINTS.items():
         app.add_api_route(path, _generation_route(shim, endpoint), methods=["POST"], dependencies=authorized,
@@ -116,6 +121,14 @@ def _authorizer(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
                            code="invalid_api_key")
 
     return authorize
+
+
+def _json_route(shim: OpenAIShim, handler: Callable[[OpenAIShim, dict], Awaitable[dict]]
+                ) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        return JSONResponse(await handler(shim, await _read_json(request, shim.settings.max_body_bytes)))
+
+    return route
 
 
 def _generation_route(shim: OpenAIShim, endpoint: type[Generation]) -> Callable[[Request], Awaitable[Response]]:

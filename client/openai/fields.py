@@ -18,14 +18,18 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "stop_token_ids": (list,),
     "skip_special_tokens": (bool,),
     "include_stop_str_in_output": (bool,),
+    "logit_bias": (dict,),
+    "allowed_token_ids": (list,),
+    "bad_words": (list,),
+    "truncate_prompt_tokens": (int,),
 }
-KIND_WORDS = {(int, float): "a number", (int,): "an integer", (bool,): "a boolean", (list,): "a list",
+KIND_WORDS = {(int, float): "a number", (int,): "an integer", (bool,): "a boolean", (list,): "a list", (dict,): "an object",
               (str,): "a string"}
 
 # Output constraints: OpenAI's response_format and vLLM's extra fields for the engine's structured_outputs.
 STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-_COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "max_tokens", "user", "logit_bias",
-                  "add_special_tokens", "response_format", *STRUCTURED_FIELDS}
+_COMMON_FIELDS = {"model", "stream", "stream_options", "stop", "max_tokens", "user",
+                  "add_special_tokens", "response_format", "spaces_between_special_tokens", *STRUCTURED_FIELDS}
 COMPLETION_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {"prompt", "echo", "logprobs", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",

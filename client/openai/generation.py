@@ -145,7 +145,8 @@ class Generation(ABC):
             "system_fingerprint": None,
         }
         if self.request.include_usage:
-            chunk["usage"] = None
+            continuous = choice is not None and self.request.stream_options.continuous_usage
+            chunk["usage"] = self.usage() if continuous else None
         return chunk
 
     def _response_chunks(self, prompt_index: int, response: LLMResponse) -> list[dict]:

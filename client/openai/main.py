@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})")
-    parser.add_argument("--model-name", default=None, help="model id served on /v1/models")
+    parser.add_argument("--model-name", nargs="+", default=None, metavar="NAME",
+                        help="model id served on /v1/models; more names are aliases it also answers to")
     parser.add_argument("--model", default=None, help="model folder (chat template); default: ask Triton")
     parser.add_argument("--metrics-url", default=None, help="Triton metrics URL (default: HOST:8002/metrics)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = ShimSettings(
         triton_url=args.triton_url,
-        model_name=args.model_name,
+        model_name=args.model_name[0] if args.model_name else None,
+        aliases=tuple(args.model_name[1:]) if args.model_name else (),
         model_path=args.model,
         api_key=args.api_key,
         metrics_url=args.metrics_url,

@@ -6,6 +6,7 @@ engine's own rules, so a request the shim accepts is one the engine accepts.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +22,19 @@ from pagedserve.client.openai.fields import (
     STRUCTURED_FIELDS,
 )
 
+logger = logging.getLogger("pagedserve.openai")
+
 OPENAI_DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Token ids travel to the llm model as INT32.
 MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """stream_options: a usage chunk at the end, and usage on every chunk as well."""
+
+    include_usage: bool = False
+    continuous_usage: bool = False
 
 
 @dataclass
@@ -34,13 +45,18 @@ class GenerationRequest:
     prompts: list[str | list[int]]
     sampling: dict[str, Any]
     stream: bool = False
-    include_usage: bool = False
+    stream_options: StreamOptions = field(default_factory=StreamOptions)
     logprobs: int | None = None  # top logprobs per token; None: no logprobs returned
     # Whether the tokenizer adds its special tokens (a BOS) to a text prompt: vLLM's extra field, true for
     # completions, false for chat (the rendered template holds them already).
     add_special_tokens: bool = True
     # Engine fields this request sent under another OpenAI name, for its refusals' `param`.
     param_renames: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk."""
+        return self.stream_options.include_usage
 
     @property
     def n(self) -> int:
@@ -66,7 +82,7 @@ class ChatRequest(GenerationRequest):
 def parse_completion_request(body: dict) -> CompletionRequest:
     """Translate a /v1/completions body; raises APIError(400) naming the bad field."""
     _check_known_fields(body, COMPLETION_FIELDS)
-    model, sampling, stream, include_usage = _common(body)
+    model, sampling, stream, stream_options = _common(body)
     if "prompt" not in body:
         raise bad_request("you must provide a prompt", "prompt")
     prompts = parse_prompts(body["prompt"])
@@ -85,7 +101,7 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     if best_of is not None and best_of != sampling.get("n", 1):
         raise bad_request("'best_of' different from 'n' is not supported", "best_of")
     request = CompletionRequest(
-        model, prompts, sampling, stream, include_usage, logprobs, _add_special_tokens(body, default=True),
+        model, prompts, sampling, stream, stream_options, logprobs, _add_special_tokens(body, default=True),
         param_renames={"prompt_logprobs": "logprobs", **_structured_renames(body)}, echo=echo,
         echo_only=echo_only,
     )
@@ -96,7 +112,7 @@ def parse_completion_request(body: dict) -> CompletionRequest:
 def parse_chat_request(body: dict) -> ChatRequest:
     """Translate a /v1/chat/completions body (messages kept for the chat template)."""
     _check_known_fields(body, CHAT_FIELDS)
-    model, sampling, stream, include_usage = _common(body)
+    model, sampling, stream, stream_options = _common(body)
     messages = parse_messages(body.get("messages"))
     max_tokens = _typed(body, "max_tokens", (int,))
     max_completion_tokens = _typed(body, "max_completion_tokens", (int,))
@@ -114,7 +130,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
         sampling["logprobs"] = logprobs
     elif top_logprobs is not None:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-    request = ChatRequest(model, [], sampling, stream, include_usage, logprobs,
+    request = ChatRequest(model, [], sampling, stream, stream_options, logprobs,
                           _add_special_tokens(body, default=False), param_renames=renames, messages=messages)
     _validate_sampling(request)
     return request
@@ -217,8 +233,9 @@ def _check_known_fields(body: dict, allowed: set[str]) -> None:
 
 def _refuse_unsupported(body: dict) -> None:
     """Fields OpenAI defines that pagedserve cannot honour are refused, never silently ignored."""
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported by pagedserve", "logit_bias")
+    if body.get("spaces_between_special_tokens") is False:
+        raise bad_request("'spaces_between_special_tokens' false is not supported by pagedserve (fast "
+                          "tokenizers decode special tokens as they are)", "spaces_between_special_tokens")
     if body.get("suffix") is not None:
         raise bad_request("'suffix' is not supported by pagedserve", "suffix")
     for name in ("tools", "functions", "function_call"):
@@ -230,8 +247,8 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad_request("'store' is not supported by pagedserve", "store")
 
 
-def _common(body: dict) -> tuple[str, dict[str, Any], bool, bool]:
-    """Model name, sampling dict, stream and include_usage, shared by completions and chat."""
+def _common(body: dict) -> tuple[str, dict[str, Any], bool, StreamOptions]:
+    """Model name, sampling dict, stream and its options, shared by completions and chat."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("you must provide a model parameter (a string)", "model")
@@ -249,8 +266,10 @@ def _common(body: dict) -> tuple[str, dict[str, Any], bool, bool]:
         sampling["stop"] = [_utf8(s, "stop") for s in stop]
     sampling.update(_structured_outputs(body))
     stream = _typed(body, "stream", (bool,)) or False
-    _typed(body, "user", (str,))
-    return model, sampling, stream, _include_usage(body.get("stream_options"), stream)
+    user = _typed(body, "user", (str,))
+    if user is not None:
+        logger.debug("request for %s from user %r", model, user)
+    return model, sampling, stream, _stream_options(body.get("stream_options"), stream)
 
 
 def _structured_outputs(body: dict) -> dict[str, Any]:
@@ -285,15 +304,18 @@ def _structured_renames(body: dict) -> dict[str, str]:
     return {"structured_outputs": "response_format"} if _constrains_format(body) else {}
 
 
-def _include_usage(options: Any, stream: bool) -> bool:
-    """stream_options' include_usage; the options are only allowed on a streamed request."""
+def _stream_options(options: Any, stream: bool) -> StreamOptions:
+    """stream_options' include_usage and continuous_usage_stats; only allowed on a streamed request."""
     if options is None:
-        return False
+        return StreamOptions()
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise bad_request("'stream_options' must be an object with only 'include_usage'", "stream_options")
-    return bool(_typed(options, "include_usage", (bool,)))
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise bad_request("'stream_options' must be an object with only 'include_usage' and "
+                          "'continuous_usage_stats'", "stream_options")
+    include = bool(_typed(options, "include_usage", (bool,)))
+    # As vLLM: usage on every chunk only where usage was asked for at all.
+    return StreamOptions(include, include and bool(_typed(options, "continuous_usage_stats", (bool,))))
 
 
 def _add_special_tokens(body: dict, default: bool) -> bool:

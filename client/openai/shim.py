@@ -3,6 +3,7 @@ template and tokenizer, each made once on first use."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class ShimSettings:
     api_key: str | None = None
     metrics_url: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    aliases: tuple[str, ...] = ()  # more names the model answers to (vLLM's several --served-model-name)
 
 
 class OpenAIShim:
@@ -40,6 +42,7 @@ class OpenAIShim:
         self._client: TritonLLMClient | None = None
         self._chat_template: ChatTemplate | None = None
         self._tokenizer: Any = None
+        self._max_model_len: int | None = None
 
     @property
     def client(self) -> TritonLLMClient:
@@ -78,22 +81,50 @@ class OpenAIShim:
                                   "messages") from error
         return self._chat_template
 
-    async def decode(self, token_ids: list[int]) -> str:
-        """Prompt text of token ids (for echo), with the model folder's tokenizer.json."""
+    async def tokenizer(self) -> Any:
+        """The model folder's tokenizer.json (a `tokenizers.Tokenizer`), read once."""
         if self._tokenizer is None:
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(str(await self.model_dir() / "tokenizer.json"))
-        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self._tokenizer
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Prompt text of token ids (for echo)."""
+        return (await self.tokenizer()).decode(token_ids, skip_special_tokens=False)
+
+    async def max_model_len(self) -> int | None:
+        """The llm model's max_model_len parameter, else the model's max_position_embeddings, as the engine
+        takes it; None while Triton cannot be asked (the model list still answers) or neither is known."""
+        if self._max_model_len is None:
+            try:
+                params = await self.client.model_parameters()
+            except TritonUnavailableError:
+                return None
+            value = params.get("max_model_len", "")
+            if value.strip().isdigit():
+                self._max_model_len = int(value)
+            else:
+                config = await self.model_dir() / "config.json"
+                if config.exists():
+                    self._max_model_len = json.loads(config.read_text()).get("max_position_embeddings")
+        return self._max_model_len
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name the model answers to: the model id first, then its aliases."""
+        return [self.model_name, *(a for a in self.settings.aliases if a != self.model_name)]
 
     def check_model(self, name: str) -> None:
-        """404 model_not_found unless `name` is the served model id."""
-        if name != self.model_name:
+        """404 model_not_found unless `name` is one of the served names."""
+        if name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
-    def model_card(self) -> dict:
-        """The served model as /v1/models lists it."""
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve"}
+    async def model_cards(self) -> list[dict]:
+        """Each served name as /v1/models lists it (vLLM's card, with max_model_len)."""
+        max_len = await self.max_model_len()
+        return [{"id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                 "root": self.model_name, "parent": None, "max_model_len": max_len} for name in self.served_names]
 
     def triton_streams(self, request: GenerationRequest, request_id: str) -> list[AsyncIterator[LLMResponse]]:
         """One `llm` request per prompt."""

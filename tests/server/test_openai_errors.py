@@ -54,7 +54,7 @@ def test_unknown_model_is_404_model_not_found(client):
     "path, body, param",
     [
         ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature"),
-        ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"1": 1}}, "logit_bias"),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"model": "tiny"}, "prompt"),
         ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
