@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.logits_params import check_allowed_token_ids, check_bad_words, check_logit_bias
+from pagedserve.backend.core.schema_support import unenforceable_keyword
 
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -269,6 +270,9 @@ def _structured_value(kind: str, value: Any) -> Any:
             value = _parse_json(name, value)
         if not isinstance(value, (dict, bool)):
             raise refuse(f"must be a JSON Schema object, got {type(value).__name__}")
+        unenforceable = unenforceable_keyword(value)
+        if unenforceable:
+            raise refuse(f"uses {unenforceable}, which structured outputs cannot enforce")
         return value
     if kind == "json_object":
         if value is not True:

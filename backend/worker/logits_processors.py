@@ -1,5 +1,5 @@
 """The request fields that edit logits before penalties and sampling: allowed_token_ids, bad_words and
-logit_bias (vLLM's order), batched over the rows that use them."""
+logit_bias (vLLM's order), row by row over the rows that use them."""
 
 from __future__ import annotations
 
@@ -21,15 +21,25 @@ def apply_logits_processors(logits: torch.Tensor, requests: Sequence[Request]) -
         if params.allowed_token_ids:
             keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             keep[params.allowed_token_ids] = True
-            logits[i].masked_fill_(~keep, -float("inf"))
+            _mask_unless_empty(logits[i], ~keep)
         banned = _banned_now(params.bad_words_token_ids, requests[i].output_token_ids)
         if banned:
-            logits[i, banned] = -float("inf")
+            drop = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            drop[banned] = True
+            _mask_unless_empty(logits[i], drop)
         if params.logit_bias:
             ids = list(params.logit_bias)
             logits[i, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
                                            device=logits.device)
     return logits, set(rows)
+
+
+def _mask_unless_empty(row: torch.Tensor, drop: torch.Tensor) -> None:
+    """-inf where `drop`, unless that leaves no token: a mask that conflicts with an earlier one (the grammar's,
+    then allowed_token_ids) yields to it for this step, so the row can still be sampled."""
+    masked = row.masked_fill(drop, -float("inf"))
+    if bool(masked.isfinite().any()):
+        row.copy_(masked)
 
 
 def _uses_processors(request: Request) -> bool:

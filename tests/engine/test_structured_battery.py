@@ -311,11 +311,11 @@ def test_drawn_schemas_give_accepted_outputs_that_validate_when_stopped(engine, 
             check_completion(engine, spec, completion)
 
 
-# --------------------------------------------------------------------------- a known gap
+# --------------------------------------------------------------------------- keywords the grammar ignores
 
 # xgrammar 0.2.8 compiles these but ignores the keyword (it logs a warning, or nothing), so outputs that
-# stop break the schema. The engine should refuse such a schema naming structured_outputs (as vLLM's
-# xgrammar backend does for unsupported features) rather than return invalid JSON with finish_reason stop.
+# stop would break the schema: the engine refuses such a schema naming structured_outputs, as vLLM's
+# xgrammar backend does.
 UNENFORCED = [
     ("allOf-several", {"allOf": [{"type": "integer", "minimum": 0}, {"maximum": 4}]}),
     ("contains", {"type": "array", "contains": {"const": 7},
@@ -323,27 +323,30 @@ UNENFORCED = [
     ("uniqueItems", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2},
                      "uniqueItems": True, "minItems": 3, "maxItems": 3}),
     ("number-multipleOf", {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 3}),
+    ("not", {"type": "integer", "not": {"const": 0}, "minimum": 0, "maximum": 2}),
+    ("if-then", {"type": "integer", "if": {"minimum": 1}, "then": {"maximum": 1}}),
+    ("dependentRequired-nested", {"type": "object", "properties": {"o": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}}}),
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG (reported to the lead): a JSON schema keyword xgrammar "
-                                       "ignores is accepted, and stopped outputs break the schema")
 @pytest.mark.parametrize("schema", [s for _, s in UNENFORCED], ids=[i for i, _ in UNENFORCED])
-def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_or_enforced(engine, schema):
-    spec = {"json": schema}
-    try:
-        (out,) = _generate(engine, "Answer:", spec, temperature=1.0, seed=5, n=6, max_tokens=80)
-    except InvalidRequestError as error:
-        assert error.field == "structured_outputs"
-        return
-    for completion in out.outputs:
-        check_completion(engine, spec, completion)
+def test_a_schema_keyword_the_grammar_cannot_enforce_is_refused_naming_it(engine, schema):
+    with pytest.raises(InvalidRequestError, match="which structured outputs cannot enforce") as info:
+        _generate(engine, "Answer:", {"json": schema}, temperature=1.0, seed=5, n=6, max_tokens=80)
+    assert info.value.field == "structured_outputs"
+    assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.xfail(strict=True, reason="ENGINE BUG (reported to the lead): a row whose grammar and "
-                                       "allowed_token_ids leave no token fails the whole step when sampled "
-                                       "(every co-batched request ends with error) and emits token 0 when "
-                                       "greedy")
+def test_the_keywords_the_grammar_enforces_pass_the_check(engine):
+    integer_steps = {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 20}
+    single_all_of = {"allOf": [{"type": "integer", "minimum": 0, "maximum": 4}]}
+    for schema in (integer_steps, single_all_of, {"type": "array", "uniqueItems": False, "maxItems": 2}):
+        (out,) = _generate(engine, "Answer:", {"json": schema}, temperature=1.0, seed=5, n=4, max_tokens=40)
+        for completion in out.outputs:
+            check_completion(engine, {"json": schema}, completion)
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, {"temperature": 1.0, "seed": 2}], ids=["greedy", "sampled"])
 def test_constraints_that_leave_no_token_harm_no_neighbour_and_never_stop_off_grammar(engine, sampling):
     plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -352,11 +355,8 @@ def test_constraints_that_leave_no_token_harm_no_neighbour_and_never_stop_off_gr
     # "x" is outside the grammar, so the intersection of the two masks is empty on the first step.
     outside = engine.tokenizer.encode("x", add_special_tokens=False)
     clash = SamplingParams(max_tokens=10, allowed_token_ids=outside, structured_outputs=spec, **sampling)
-    try:
-        neighbour, clashing = engine.generate(["Once upon a time", "Answer:"], [plain, clash])
-    except InvalidRequestError as error:
-        assert error.field in ("structured_outputs", "allowed_token_ids")
-        return
+    neighbour, clashing = engine.generate(["Once upon a time", "Answer:"], [plain, clash])
     assert neighbour.outputs[0].token_ids == alone, neighbour.error
-    if clashing.outputs[0].finish_reason == "stop":
-        check_completion(engine, spec, clashing.outputs[0])
+    # The grammar wins over allowed_token_ids where they leave no token in common.
+    assert clashing.error is None and clashing.outputs[0].text
+    check_completion(engine, spec, clashing.outputs[0])
