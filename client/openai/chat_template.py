@@ -15,12 +15,14 @@ from pagedserve.client.openai.errors import bad_request
 class ChatTemplate:
     """The model folder's chat template, rendered in jinja2's immutable sandbox as transformers does."""
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", tool_source: str | None = None):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(source)
+        # A folder's named "tool_use" template is the one transformers renders when tools are given.
+        self._tool_template = env.from_string(tool_source) if tool_source else self._template
         self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
@@ -29,29 +31,39 @@ class ChatTemplate:
         folder = Path(model_dir)
         config_path = folder / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        source = config.get("chat_template")
+        source, tool_source = config.get("chat_template"), None
         if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
+            source, tool_source = named.get("default"), named.get("tool_use")
         if (folder / "chat_template.json").exists():
             source = json.loads((folder / "chat_template.json").read_text()).get("chat_template", source)
         if (folder / "chat_template.jinja").exists():
             source = (folder / "chat_template.jinja").read_text()
         if not isinstance(source, str) or not source:
             raise FileNotFoundError(f"no chat template in {folder}")
-        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")),
+                   tool_source if isinstance(tool_source, str) else None)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for these messages; a template error is the caller's 400 on `messages`."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for these messages and tools; a template error is the caller's 400 on `messages`."""
+        template = self._template if tools is None else self._tool_template
         try:
-            return self._template.render(
+            return template.render(
                 messages=messages,
+                tools=tools,
+                documents=None,  # transformers passes both, None when absent, so `is none` tests agree
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
         except TemplateError as error:
             raise bad_request(f"chat template failed for these messages: {error}", "messages") from error
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson`: JSON without jinja's HTML escaping, with json.dumps' options."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

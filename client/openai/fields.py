@@ -35,7 +35,7 @@ CHAT_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
 }
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 # Engine fields whose OpenAI name is another, or the same; an engine field absent here has no OpenAI name.
 ENGINE_FIELD_TO_PARAM = {

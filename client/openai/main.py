@@ -6,6 +6,8 @@ import argparse
 import os
 
 from pagedserve.client.openai.shim import DEFAULT_MAX_BODY_BYTES, ShimSettings
+from pagedserve.client.openai.tool_parsers import TOOL_PARSERS
+from pagedserve.client.openai.tools import ToolSettings
 
 DEFAULT_PORT = 9000
 # The key is better read from the environment than from a command line that `ps` shows.
@@ -26,6 +28,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-url", default=None, help="Triton metrics URL (default: HOST:8002/metrics)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--log-level", default="warning")
+    add_tool_arguments(parser)
+
+
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags."""
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto" (the default when tools are sent): parse the calls the '
+                             "model writes with --tool-call-parser")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json, mistral, pythonic")
+    parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='do not show the tools to the chat template when tool_choice is "none"')
+
+
+def tool_settings(args: argparse.Namespace) -> ToolSettings:
+    """The tool flags checked as vLLM checks them: auto tool choice needs a parser."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice requires --tool-call-parser")
+    return ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser, args.exclude_tools_when_tool_choice_none)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         metrics_url=args.metrics_url,
         max_body_bytes=args.max_body_bytes,
+        tools=tool_settings(args),
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
     return 0

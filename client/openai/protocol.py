@@ -21,6 +21,13 @@ from pagedserve.client.openai.fields import (
     SAMPLING_FIELDS,
     STRUCTURED_FIELDS,
 )
+from pagedserve.client.openai.tools import (
+    MESSAGE_KEYS,
+    ToolChoice,
+    constrain,
+    parse_message_tool_fields,
+    parse_tool_choice,
+)
 
 logger = logging.getLogger("pagedserve.openai")
 
@@ -77,6 +84,7 @@ class ChatRequest(GenerationRequest):
     """A /v1/chat/completions request; `prompts` is empty until its messages are rendered."""
 
     messages: list[dict] = field(default_factory=list)
+    tools: ToolChoice | None = None  # tools, tool_choice and parallel_tool_calls
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:
@@ -130,8 +138,11 @@ def parse_chat_request(body: dict) -> ChatRequest:
         sampling["logprobs"] = logprobs
     elif top_logprobs is not None:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    tools = parse_tool_choice(body)
+    constrain(tools, sampling, renames)
     request = ChatRequest(model, [], sampling, stream, stream_options, logprobs,
-                          _add_special_tokens(body, default=False), param_renames=renames, messages=messages)
+                          _add_special_tokens(body, default=False), param_renames=renames, messages=messages,
+                          tools=tools)
     _validate_sampling(request)
     return request
 
@@ -175,10 +186,11 @@ def _parse_message(message: Any, where: str) -> dict:
     if role not in CHAT_ROLES:
         raise bad_request(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role")
     for key in message:
-        if key not in ("role", "content", "name"):
+        if key not in ("role", "content", "name", *MESSAGE_KEYS):
             raise bad_request(f"'{where}.{key}' is not supported by pagedserve", f"{where}.{key}")
     text = _message_text(message.get("content"), f"{where}.content", allow_none=role == "assistant")
-    entry = {"role": "system" if role == "developer" else role, "content": _utf8(text, f"{where}.content")}
+    entry = {"role": "system" if role == "developer" else role, "content": _utf8(text, f"{where}.content"),
+             **parse_message_tool_fields(message, where)}
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
@@ -238,11 +250,10 @@ def _refuse_unsupported(body: dict) -> None:
                           "tokenizers decode special tokens as they are)", "spaces_between_special_tokens")
     if body.get("suffix") is not None:
         raise bad_request("'suffix' is not supported by pagedserve", "suffix")
-    for name in ("tools", "functions", "function_call"):
+    for name in ("functions", "function_call"):
         if body.get(name):
-            raise bad_request(f"'{name}' (tool calling) is not supported by pagedserve yet", name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("'tool_choice' is not supported by pagedserve yet (only 'none')", "tool_choice")
+            raise bad_request(f"'{name}' (OpenAI's deprecated function calling) is not supported by pagedserve; "
+                              "send 'tools' and 'tool_choice'", name)
     if body.get("store"):
         raise bad_request("'store' is not supported by pagedserve", "store")
 

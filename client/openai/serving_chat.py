@@ -7,6 +7,7 @@ from pagedserve.client.openai.formats import chat_logprobs
 from pagedserve.client.openai.generation import ChoiceState, Generation, SequenceUpdate
 from pagedserve.client.openai.protocol import ChatRequest, parse_chat_request
 from pagedserve.client.openai.shim import OpenAIShim
+from pagedserve.client.openai.tools import ChoiceTools, check_served, output_parser, template_tools
 
 
 class ChatGeneration(Generation):
@@ -17,9 +18,18 @@ class ChatGeneration(Generation):
     parse = staticmethod(parse_chat_request)
     request: ChatRequest
 
+    def __init__(self, shim: OpenAIShim, request: ChatRequest):
+        super().__init__(shim, request)
+        parser = output_parser(request.tools, shim.settings.tools)
+        # Each choice's tool calls, read from its text; None: the text is the content.
+        self._tools = [None if parser is None else ChoiceTools(parser, request.tools.parallel_tool_calls)
+                       for _ in self.choices]
+
     @classmethod
     async def llm_prompts(cls, shim: OpenAIShim, request: ChatRequest) -> list[str | list[int]]:
-        return [(await shim.chat_template()).render(request.messages)]
+        check_served(request.tools, shim.settings.tools)
+        tools = template_tools(request.tools, shim.settings.tools)
+        return [(await shim.chat_template()).render(request.messages, tools=tools)]
 
     def _opening_chunks(self) -> list[dict]:
         return [self._chunk(_delta_choice(index, {"role": "assistant", "content": ""}, None, None))
@@ -27,10 +37,17 @@ class ChatGeneration(Generation):
 
     def _choice(self, index: int, state: ChoiceState) -> dict:
         message = {"role": "assistant", "content": state.text, "refusal": None}
+        tools, finish = self._tools[index], state.finish_reason
+        if tools is not None:
+            message["content"], calls = tools.message(state.text)
+            if calls:
+                message["tool_calls"], finish = calls, "tool_calls"
         return {"index": index, "message": message, "logprobs": self._logprobs(state.logprobs),
-                "finish_reason": state.finish_reason}
+                "finish_reason": finish}
 
     def _delta_chunks(self, update: SequenceUpdate) -> list[dict]:
+        if self._tools[update.index] is not None:
+            return self._tool_delta_chunks(update, self._tools[update.index])
         delta = {"content": update.text} if update.text else {}
         logprobs = self._logprobs(update.entries)
         if update.finish is not None and update.text:
@@ -38,6 +55,20 @@ class ChatGeneration(Generation):
             return [self._chunk(_delta_choice(update.index, delta, logprobs, None)),
                     self._chunk(_delta_choice(update.index, {}, None, update.finish))]
         return [self._chunk(_delta_choice(update.index, delta, logprobs, update.finish))]
+
+    def _tool_delta_chunks(self, update: SequenceUpdate, tools: ChoiceTools) -> list[dict]:
+        """The content and call deltas the parser lets out; logprobs ride on the first chunk (an empty delta
+        when the text is held), the finish on a chunk of its own."""
+        logprobs = self._logprobs(update.entries)
+        deltas = tools.deltas(update.text, update.finish is not None)
+        if not deltas and logprobs is not None:
+            deltas = [{}]
+        chunks = [self._chunk(_delta_choice(update.index, delta, logprobs if i == 0 else None, None))
+                  for i, delta in enumerate(deltas)]
+        if update.finish is not None:
+            finish = "tool_calls" if tools.called else update.finish
+            chunks.append(self._chunk(_delta_choice(update.index, {}, None, finish)))
+        return chunks
 
     def _logprobs(self, entries: list[dict]) -> dict | None:
         return None if self.request.logprobs is None else chat_logprobs(entries, self.request.logprobs)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError, bad_request
 from pagedserve.client.openai.protocol import GenerationRequest
+from pagedserve.client.openai.tools import ToolSettings
 from pagedserve.client.triton_client import LLMResponse, TritonLLMClient, TritonUnavailableError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -29,6 +30,7 @@ class ShimSettings:
     metrics_url: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     aliases: tuple[str, ...] = ()  # more names the model answers to (vLLM's several --served-model-name)
+    tools: ToolSettings = field(default_factory=ToolSettings)
 
 
 class OpenAIShim:
