@@ -288,7 +288,17 @@ def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: st
     if args.no_openai or importlib.util.find_spec(OPENAI_MODULE) is None:
         return None
     return spawn_openai_shim(server.grpc_url, server.metrics_url, args.host, args.openai_port, "--model", model,
-                             start_new_session=True, preexec_fn=_die_with_parent)
+                             *_tool_flags(args), start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _tool_flags(args: argparse.Namespace) -> list[str]:
+    """The shim's tool-calling flags as `serve` was given them (the shim checks the parser's name)."""
+    flags = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    if args.tool_call_parser:
+        flags += ["--tool-call-parser", args.tool_call_parser]
+    if args.exclude_tools_when_tool_choice_none:
+        flags.append("--exclude-tools-when-tool-choice-none")
+    return flags
 
 
 def spawn_openai_shim(triton_grpc_url: str, metrics_url: str, host: str, port: int, *shim_args: str,
@@ -405,6 +415,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--openai-port", type=int, default=9000)
     parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible shim")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='the shim serves tool_choice "auto", reading calls with --tool-call-parser')
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="the model's tool-call format: hermes, llama3_json, mistral or pythonic")
+    parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='the shim keeps the tools from the chat template when tool_choice is "none"')
     parser.add_argument(
         "--param",
         action="append",

@@ -193,3 +193,52 @@ def copy_with_bos_tokenizer(source: str | Path, target: str | Path) -> Path:
     config.update(bos_token=END_OF_TEXT, chat_template=template)
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return target
+
+
+# A Hermes-style (Qwen2.5-like) template that renders tools into the system turn, an assistant's calls as
+# <tool_call> blocks and tool results as <tool_response> blocks of a user turn: what tool tests render.
+TOOL_CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- 'Functions you may call, one JSON schema a line:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nCall one by answering <tool_call>\\n{"name": <name>, "arguments": <object>}\\n</tool_call>' }}
+{{- ', one block per call.<|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant' }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for call in message.tool_calls %}
+{%- set function = call.function if call.function is defined else call %}
+{{- '\\n<tool_call>\\n{"name": "' + function.name + '", "arguments": ' + (function.arguments | tojson) + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def copy_with_tool_template(source: str | Path, target: str | Path) -> Path:
+    """Copy a tiny model folder, giving it TOOL_CHAT_TEMPLATE (in chat_template.jinja and tokenizer_config.json)."""
+    import shutil
+
+    target = Path(target)
+    shutil.copytree(source, target)
+    (target / "chat_template.jinja").write_text(TOOL_CHAT_TEMPLATE)
+    config_file = target / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TOOL_CHAT_TEMPLATE
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return target

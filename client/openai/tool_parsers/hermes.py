@@ -16,8 +16,9 @@ START, END = "<tool_call>", "</tool_call>"
 
 
 class HermesToolParser(ToolParser):
-    """Each `<tool_call>` block holding a call's JSON is a call. A block that holds none (bad JSON, no name,
-    never closed) is content, as is text around the blocks unless it is whitespace next to a call."""
+    """Each `<tool_call>` block holding a call's JSON is a call (the last one may be left open by the end of
+    the output). A block that holds none (bad JSON, no name) is content, as is text around the blocks unless
+    it is whitespace next to a call."""
 
     name = "hermes"
 
@@ -29,8 +30,11 @@ class HermesToolParser(ToolParser):
         held = ""  # whitespace after a block that was not a call: kept unless the next block is a call
         while True:
             close = text.find(END, start + len(START))
-            if close < 0:
-                if final:
+            if close < 0:  # an output that ended inside a block is still a call if it holds one, as vLLM reads it
+                call = _call(text[start + len(START):]) if final else None
+                if call is not None:
+                    scan.calls.append(call)
+                elif final:
                     scan.content += held + text[start:]
                 return scan
             end = close + len(END)
