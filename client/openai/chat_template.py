@@ -9,6 +9,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pagedserve.client.openai.chat_options import cut_after_final_message
 from pagedserve.client.openai.errors import bad_request
 
 
@@ -44,11 +45,14 @@ class ChatTemplate:
         return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")),
                    tool_source if isinstance(tool_source, str) else None)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-        """The prompt text for these messages and tools; a template error is the caller's 400 on `messages`."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """The prompt text for these messages and tools; a template error is the caller's 400 on `messages`.
+        `continue_final_message` ends the text inside the final message, for the model to go on with it."""
         template = self._template if tools is None else self._tool_template
         try:
-            return template.render(
+            rendered = template.render(
+                **template_kwargs,
                 messages=messages,
                 tools=tools,
                 documents=None,  # transformers passes both, None when absent, so `is none` tests agree
@@ -58,6 +62,9 @@ class ChatTemplate:
             )
         except TemplateError as error:
             raise bad_request(f"chat template failed for these messages: {error}", "messages") from error
+        if continue_final_message:
+            return cut_after_final_message(rendered, messages[-1].get("content") or "")
+        return rendered
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

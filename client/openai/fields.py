@@ -34,6 +34,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {"prompt", "echo", "
 CHAT_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo",
 }
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.client.openai.chat_options import ChatOptions, parse_chat_options
 from pagedserve.client.openai.errors import bad_request, refusal
 from pagedserve.client.openai.fields import (
     CHAT_FIELDS,
@@ -85,6 +86,7 @@ class ChatRequest(GenerationRequest):
 
     messages: list[dict] = field(default_factory=list)
     tools: ToolChoice | None = None  # tools, tool_choice and parallel_tool_calls
+    options: ChatOptions = field(default_factory=ChatOptions)
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:
@@ -142,7 +144,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
     constrain(tools, sampling, renames)
     request = ChatRequest(model, [], sampling, stream, stream_options, logprobs,
                           _add_special_tokens(body, default=False), param_renames=renames, messages=messages,
-                          tools=tools)
+                          tools=tools, options=parse_chat_options(body, messages))
     _validate_sampling(request)
     return request
 

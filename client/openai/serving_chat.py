@@ -3,6 +3,7 @@ deltas, and chat's logprobs shape."""
 
 from __future__ import annotations
 
+from pagedserve.client.openai.chat_options import echoed_text
 from pagedserve.client.openai.formats import chat_logprobs
 from pagedserve.client.openai.generation import ChoiceState, Generation, SequenceUpdate
 from pagedserve.client.openai.protocol import ChatRequest, parse_chat_request
@@ -29,17 +30,26 @@ class ChatGeneration(Generation):
     async def llm_prompts(cls, shim: OpenAIShim, request: ChatRequest) -> list[str | list[int]]:
         check_served(request.tools, shim.settings.tools)
         tools = template_tools(request.tools, shim.settings.tools)
-        return [(await shim.chat_template()).render(request.messages, tools=tools)]
+        options = request.options
+        return [(await shim.chat_template()).render(
+            request.messages, options.add_generation_prompt, tools=tools,
+            continue_final_message=options.continue_final_message, **options.template_kwargs)]
 
     def _opening_chunks(self) -> list[dict]:
-        return [self._chunk(_delta_choice(index, {"role": "assistant", "content": ""}, None, None))
-                for index in range(len(self.choices))]
+        chunks = [self._chunk(_delta_choice(index, {"role": "assistant", "content": ""}, None, None))
+                  for index in range(len(self.choices))]
+        echo = echoed_text(self.request.options, self.request.messages)
+        if echo:
+            chunks += [self._chunk(_delta_choice(index, {"content": echo}, None, None))
+                       for index in range(len(self.choices))]
+        return chunks
 
     def _choice(self, index: int, state: ChoiceState) -> dict:
-        message = {"role": "assistant", "content": state.text, "refusal": None}
+        text = echoed_text(self.request.options, self.request.messages) + state.text
+        message = {"role": "assistant", "content": text, "refusal": None}
         tools, finish = self._tools[index], state.finish_reason
         if tools is not None:
-            message["content"], calls = tools.message(state.text)
+            message["content"], calls = tools.message(text)
             if calls:
                 message["tool_calls"], finish = calls, "tool_calls"
         return {"index": index, "message": message, "logprobs": self._logprobs(state.logprobs),

@@ -141,7 +141,7 @@ def test_chat_logprobs_and_top_logprobs_map_to_engine_logprobs():
         ({"messages": [{"role": "user", "content": "a", "name": 7}]}, "messages[0].name"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content[0]"),
-        ({"echo": True}, "echo"),
+        ({"echo": "yes"}, "echo"),
     ],
 )
 def test_chat_bad_fields_are_named(fields, param):

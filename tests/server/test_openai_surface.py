@@ -98,3 +98,19 @@ def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client):
     assert with_choices and all(c.usage is not None for c in with_choices)
     counts = [c.usage.completion_tokens for c in with_choices]
     assert counts == sorted(counts) and chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+
+
+def test_chat_echo_continues_the_final_assistant_message_streamed_and_whole(client, shim_url):
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body=extra)
+    content = whole.choices[0].message.content
+    assert content.startswith("My answer is") and len(content) > len("My answer is")
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body=extra, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
+    # The prompt ends inside the assistant's turn: the same as the completion of its rendered text.
+    rendered = _post(shim_url, "/tokenize", {"model": MODEL, "messages": messages,
+                                             "add_generation_prompt": False}).json()
+    assert rendered["count"] > whole.usage.prompt_tokens  # the closed turn's end-of-turn tokens are cut
