@@ -120,8 +120,9 @@ def row_sampling_parameters(inputs: RowInputs, row: int) -> dict[str, Any]:
     stop = inputs.strings("stop_words", row)
     if stop:
         settings["stop"] = stop
-    if inputs.strings("bad_words", row):
-        raise InvalidRequestError("bad_words is not supported by pagedserve", "bad_words")
+    bad_words = inputs.strings("bad_words", row)
+    if bad_words:
+        settings["bad_words"] = bad_words
     end_id = inputs.scalar("end_id", row)
     if end_id is not None:
         settings["stop_token_ids"] = [end_id]

@@ -98,7 +98,7 @@ def test_llm_grpc_stream_ends_with_one_error_naming_the_field(small_pool_server,
 
 ENSEMBLE_HTTP_CASES = {
     "empty text_input": ({"text_input": ""}, "text_input"),
-    "bad_words": ({"text_input": "Hi", "bad_words": ["bad"]}, "bad_words"),
+    "bad_words blank": ({"text_input": "Hi", "bad_words": [" "]}, "bad_words"),
     "top_p zero": ({"text_input": "Hi", "top_p": 0.0}, "top_p"),
     "temperature negative": ({"text_input": "Hi", "temperature": -1.0}, "temperature"),
     "max_tokens negative": ({"text_input": "Hi", "max_tokens": -3}, "max_tokens"),

@@ -294,3 +294,21 @@ def test_http_generate_takes_the_guided_decoding_json_of_trtllm_docs(triton_serv
     jsonschema.validate(json.loads("".join(e["text_output"] for e in events)), ANSWER_SCHEMA)
     status, text = triton_server.post("/v2/models/ensemble/generate", {**body, "guided_decoding_guide_type": "yaml"})
     assert status == 400 and "guided_decoding_guide_type" in text
+
+
+def test_bad_words_of_a_row_are_banned_as_the_llm_bans_them_and_other_rows_are_untouched(triton_server):
+    prompt = "Paged attention stores keys"
+    llm_greedy = {"text_input": prompt, "max_tokens": 16, "min_tokens": 16, "temperature": 0.0,
+                  "exclude_input_in_output": True}
+    entries = json.loads(triton_server.generate("llm", {**llm_greedy, "return_logprobs": True, "logprobs": 0})["logprobs"])
+    # A word the model wrote as one token: banning it must change the text.
+    word = next(e["token"].strip() for e in entries if e["token"].strip().isalpha())
+    rows = [greedy_row(prompt, 16, bad_words=[word, ""]), greedy_row(prompt, 16, bad_words=["", ""])]
+    results, errors = stream_all(triton_server, trtllm_batch(rows))
+    assert errors == []
+    texts = {row: parts[0] for row, parts in by_row(results).items()}
+    plain = triton_server.generate("llm", llm_greedy)["text_output"]
+    banned = triton_server.generate("llm", {**llm_greedy, "sampling_parameters": {"bad_words": [word]}})
+    assert texts[1] == plain and texts[0] == banned["text_output"] != plain
+    _, errors = stream_all(triton_server, trtllm_batch([greedy_row(prompt, 4, bad_words=[" "])]))
+    assert len(errors) == 1 and errors[0].startswith("bad_words")
