@@ -8,7 +8,13 @@ from pagedserve.client.openai.formats import chat_logprobs
 from pagedserve.client.openai.generation import ChoiceState, Generation, SequenceUpdate
 from pagedserve.client.openai.protocol import ChatRequest, parse_chat_request
 from pagedserve.client.openai.shim import OpenAIShim
-from pagedserve.client.openai.tools import ChoiceTools, check_served, output_parser, template_tools
+from pagedserve.client.openai.tools import (
+    ChoiceTools,
+    check_served,
+    finish_reason,
+    output_parser,
+    template_tools,
+)
 
 
 class ChatGeneration(Generation):
@@ -40,8 +46,10 @@ class ChatGeneration(Generation):
                   for index in range(len(self.choices))]
         echo = echoed_text(self.request.options, self.request.messages)
         if echo:
-            chunks += [self._chunk(_delta_choice(index, {"content": echo}, None, None))
-                       for index in range(len(self.choices))]
+            for index, tools in enumerate(self._tools):
+                # With tools, the echo is the start of the text the parser reads, as the whole answer reads it.
+                deltas = [{"content": echo}] if tools is None else tools.deltas(echo, finished=False)
+                chunks += [self._chunk(_delta_choice(index, delta, None, None)) for delta in deltas]
         return chunks
 
     def _choice(self, index: int, state: ChoiceState) -> dict:
@@ -51,7 +59,7 @@ class ChatGeneration(Generation):
         if tools is not None:
             message["content"], calls = tools.message(text)
             if calls:
-                message["tool_calls"], finish = calls, "tool_calls"
+                message["tool_calls"], finish = calls, finish_reason(True, finish)
         return {"index": index, "message": message, "logprobs": self._logprobs(state.logprobs),
                 "finish_reason": finish}
 
@@ -76,7 +84,7 @@ class ChatGeneration(Generation):
         chunks = [self._chunk(_delta_choice(update.index, delta, logprobs if i == 0 else None, None))
                   for i, delta in enumerate(deltas)]
         if update.finish is not None:
-            finish = "tool_calls" if tools.called else update.finish
+            finish = finish_reason(tools.called, update.finish)
             chunks.append(self._chunk(_delta_choice(update.index, {}, None, finish)))
         return chunks
 

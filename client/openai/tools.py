@@ -208,6 +208,12 @@ def _history_call(call: Any, where: str) -> dict:
     return entry
 
 
+def finish_reason(called: bool, finish: str) -> str:
+    """A choice's finish reason: "tool_calls" once it made calls, unless max_tokens cut it ("length" says the
+    last call may be missing, as OpenAI reports it)."""
+    return "tool_calls" if called and finish != "length" else finish
+
+
 def call_id() -> str:
     """A new tool call id, in OpenAI's form."""
     return "call_" + uuid.uuid4().hex[:24]

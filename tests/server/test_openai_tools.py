@@ -297,6 +297,23 @@ def test_forced_choices_read_the_constrained_json():
     body = asyncio.run(_generation(named, ToolSettings()).run(_responses(['{"city":"Paris","days":3}'])))
     (call,) = body["choices"][0]["message"]["tool_calls"]
     assert (call["function"]["name"], call["function"]["arguments"]) == ("get_weather", '{"city": "Paris", "days": 3}')
+    # Cut by max_tokens after a call, the whole calls stay and the cut one is content; the finish says length.
+    cut = asyncio.run(_generation(required, ToolSettings()).run(_responses([output[:-30]], finish="length")))
+    assert cut["choices"][0]["finish_reason"] == "length" and cut["choices"][0]["message"]["content"] == output[62:-30]
+    assert [c["function"]["name"] for c in cut["choices"][0]["message"]["tool_calls"]] == ["get_weather"]
     # Cut off by max_tokens, the JSON is not a call: it comes back as content with finish_reason length.
     cut = asyncio.run(_generation(named, ToolSettings()).run(_responses(['{"city":"Par'], finish="length")))
     assert cut["choices"][0]["message"]["content"] == '{"city":"Par' and cut["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_echoed_final_message_is_read_with_the_output_whole_and_streamed():
+    # The final assistant message is continued and echoed: its text starts the call the model finishes.
+    messages = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "Sure. <tool_"}]
+    body = _chat(messages=messages, tools=[CLOCK], echo=True, continue_final_message=True,
+                 add_generation_prompt=False)
+    output = 'call>{"name": "get_time", "arguments": {}}</tool_call>'
+    whole = asyncio.run(_generation(body).run(_responses([output])))["choices"][0]
+    assert whole["message"]["content"] == "Sure. " and whole["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_time"]
+    content, calls, finishes = _assembled(_stream_events(_generation({**body, "stream": True}), list(output)))
+    assert (content, [c["name"] for c in calls], finishes) == ("Sure. ", ["get_time"], ["tool_calls"])
