@@ -187,8 +187,10 @@ def _parse_message(message: Any, where: str) -> dict:
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise bad_request(f"'{where}.role' must be one of {sorted(CHAT_ROLES)}, got {role!r}", f"{where}.role")
-    for key in message:
-        if key not in ("role", "content", "name", *MESSAGE_KEYS):
+    for key, value in message.items():
+        # A null field is an absent one (transformers drops them): a reply's message sent back as it came
+        # carries refusal, audio and function_call as null.
+        if value is not None and key not in ("role", "content", "name", *MESSAGE_KEYS):
             raise bad_request(f"'{where}.{key}' is not supported by pagedserve", f"{where}.{key}")
     text = _message_text(message.get("content"), f"{where}.content", allow_none=role == "assistant")
     entry = {"role": "system" if role == "developer" else role, "content": _utf8(text, f"{where}.content"),

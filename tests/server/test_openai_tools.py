@@ -68,6 +68,16 @@ def test_bad_tool_fields_are_refused_naming_them(fields, param):
     assert _param_of(_chat(**fields)) == param
 
 
+def test_a_reply_message_sent_back_with_its_null_fields_is_taken():
+    reply = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None,
+             "annotations": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                  "function": {"name": "get_time", "arguments": "{}"}}]}
+    (_, message) = parse_chat_request(_chat(messages=[{"role": "user", "content": "Time?"}, reply])).messages
+    assert message == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {}}}]}
+    assert _param_of(_chat(messages=[{**reply, "refusal": "no"}])) == "messages[0].refusal"
+
+
 def test_tool_choice_defaults_to_auto_with_tools_and_none_without():
     assert parse_chat_request(_chat(tools=[WEATHER])).tools.choice == "auto"
     assert parse_chat_request(_chat()).tools is None
