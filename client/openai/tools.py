@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +69,9 @@ def parse_tool_choice(body: dict) -> ToolChoice | None:
     return ToolChoice(tuple(tools), choice, name, parallel is not False)
 
 
+_KIND_WORDS = {str: "a string", dict: "a JSON Schema object", bool: "a boolean"}
+
+
 def _parse_tools(tools: Any) -> list[dict]:
     if tools is None:
         return []
@@ -86,9 +88,6 @@ def _parse_tools(tools: Any) -> list[dict]:
             if function.get(key) is not None and not isinstance(function[key], kinds):
                 raise bad_request(f"'{where}.function.{key}' must be {_KIND_WORDS[kinds]}", f"{where}.function.{key}")
     return tools
-
-
-_KIND_WORDS = {str: "a string", dict: "a JSON Schema object", bool: "a boolean"}
 
 
 def _parse_choice(raw: Any) -> tuple[str, str | None]:
@@ -214,11 +213,6 @@ def finish_reason(called: bool, finish: str) -> str:
     return "tool_calls" if called and finish != "length" else finish
 
 
-def call_id() -> str:
-    """A new tool call id, in OpenAI's form."""
-    return "call_" + uuid.uuid4().hex[:24]
-
-
 class ChoiceTools:
     """One choice's tool calls: its text parsed whole or as it streams, in OpenAI's shapes."""
 
@@ -233,7 +227,7 @@ class ChoiceTools:
         content, calls = self._parser.parse(text)
         calls = calls[: self._max_calls]
         self.called = bool(calls)
-        return content, [_call_body(call) for call in calls]
+        return content, [self._call_body(call) for call in calls]
 
     def deltas(self, text: str, finished: bool) -> list[dict]:
         """The deltas streamed for a choice's new text (and, when it has finished, what was held)."""
@@ -244,6 +238,10 @@ class ChoiceTools:
             events += self._stream.finish()
         return [delta for event in events if (delta := self._delta(event)) is not None]
 
+    def _call_body(self, call: ToolCall) -> dict:
+        return {"id": self._parser.new_call_id(), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
     def _delta(self, event: Event) -> dict | None:
         if isinstance(event, ContentDelta):
             return {"content": event.text}
@@ -252,10 +250,9 @@ class ChoiceTools:
         if isinstance(event, CallStart):
             self.called = True
             function = {"name": event.name, "arguments": ""}
-            return {"tool_calls": [{"index": event.index, "id": call_id(), "type": "function", "function": function}]}
+            call_id = self._parser.new_call_id()
+            return {"tool_calls": [{"index": event.index, "id": call_id, "type": "function", "function": function}]}
         assert isinstance(event, ArgumentsDelta)
         return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
 
 
-def _call_body(call: ToolCall) -> dict:
-    return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

@@ -207,3 +207,10 @@ def test_garbage_never_raises_and_streams_as_parsed(fmt, text):
     if not calls:
         assert content == text
     assert streamed(parser, list(text)) == _whole(parser, text)
+
+
+def test_call_ids_are_openai_style_and_mistral_ones_nine_letters_and_digits():
+    ids = {TOOL_PARSERS["hermes"]().new_call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(i.startswith("call_") and len(i) == 29 for i in ids)
+    mistral = {TOOL_PARSERS["mistral"]().new_call_id() for _ in range(50)}
+    assert len(mistral) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in mistral)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,6 +84,10 @@ class ToolParser(ABC):
     def stream(self) -> ToolStream:
         """A streaming parser for one output."""
         return ToolStream(self)
+
+    def new_call_id(self) -> str:
+        """A fresh id for a call this parser found, in OpenAI's form."""
+        return "call_" + secrets.token_hex(12)
 
 
 class ToolStream:

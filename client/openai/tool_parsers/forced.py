@@ -3,7 +3,13 @@ list `[{"name": ..., "parameters": {...}}, ...]` for `required`, the arguments o
 
 from __future__ import annotations
 
-from pagedserve.client.openai.tool_parsers.base import Scan, ToolParser, json_call_group, scan_groups
+from pagedserve.client.openai.tool_parsers.base import (
+    CallGroup,
+    Scan,
+    ToolParser,
+    json_call_group,
+    scan_groups,
+)
 
 
 class RequiredToolParser(ToolParser):
@@ -25,7 +31,7 @@ class NamedToolParser(ToolParser):
         self.function_name = function_name
 
     def scan(self, text: str, final: bool) -> Scan:
-        def group_at(pos: int):
+        def group_at(pos: int) -> CallGroup:
             return json_call_group(text, pos, final, None, bracketed=False, name=self.function_name)
 
         return scan_groups(text, final, "", group_at, bare_start=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import string
 from functools import partial
 
 from pagedserve.client.openai.tool_parsers.base import Scan, ToolParser, json_call_group, scan_groups
@@ -18,3 +20,7 @@ class MistralToolParser(ToolParser):
     def scan(self, text: str, final: bool) -> Scan:
         group_at = partial(json_call_group, text, final=final, separator=",", bracketed=True)
         return scan_groups(text, final, TOOL_CALLS, group_at)
+
+    def new_call_id(self) -> str:
+        """Nine letters and digits: Mistral's chat templates refuse a history whose call ids are not."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
