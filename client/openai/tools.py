@@ -110,7 +110,7 @@ def check_served(choice: ToolChoice | None, settings: ToolSettings) -> None:
 
 def template_tools(choice: ToolChoice | None, settings: ToolSettings) -> list[dict] | None:
     """The tools the chat template renders (None: none)."""
-    if choice is None or (choice.choice == "none" and settings.exclude_tools_when_tool_choice_none):
+    if choice is None or not choice.tools or (choice.choice == "none" and settings.exclude_tools_when_tool_choice_none):
         return None
     return list(choice.tools)
 

@@ -182,6 +182,7 @@ def test_tool_choice_none_shows_the_tools_unless_the_shim_excludes_them():
     choice = parse_chat_request(_chat(tools=[WEATHER], tool_choice="none")).tools
     assert template_tools(choice, ToolSettings()) == [WEATHER]
     assert template_tools(choice, ToolSettings(exclude_tools_when_tool_choice_none=True)) is None
+    assert template_tools(parse_chat_request(_chat(tool_choice="none")).tools, ToolSettings()) is None
 
 
 def test_flags_as_vllm_takes_them_and_serve_passes_them_on():
