@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pagedserve.backend.core.errors import InvalidRequestError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MAX_BLOCK_SIZE = 256
 
 
@@ -54,18 +55,26 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Per-step limits: sequences, tokens, context length and the waiting queue's depth."""
+    """Per-step limits: sequences, tokens, context length and the waiting queue's depth; and the order
+    waiting requests are admitted in: "fcfs" (arrival), or "priority" (vLLM's: lower `priority` first,
+    arrival within a level, and a waiting request may preempt running ones of a lower priority)."""
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     max_num_waiting: int = 4096
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 1)
         _check_int("max_num_waiting", self.max_num_waiting, 1)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+                "scheduling_policy",
+            )
 
 
 @dataclass(slots=True)

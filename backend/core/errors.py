@@ -37,12 +37,17 @@ class ShuttingDownError(PagedServeError):
     """The model is being unloaded or the server is stopping (UNAVAILABLE / HTTP 503); retry elsewhere."""
 
 
+class RequestTimeoutError(PagedServeError):
+    """The request's own timeout passed before it finished (UNAVAILABLE, as Triton's queue timeout is)."""
+
+
 class ErrorKind(str, Enum):
     """What went wrong, as a client needs to know it to answer its own caller."""
 
     INVALID_ARGUMENT = "invalid_argument"
     BUSY = "busy"
     SHUTTING_DOWN = "shutting_down"
+    TIMEOUT = "timeout"
     INTERNAL = "internal"
 
 
@@ -54,7 +59,23 @@ def error_kind(error: BaseException) -> ErrorKind:
         return ErrorKind.BUSY
     if isinstance(error, ShuttingDownError):
         return ErrorKind.SHUTTING_DOWN
+    if isinstance(error, RequestTimeoutError):
+        return ErrorKind.TIMEOUT
     return ErrorKind.INTERNAL
+
+
+_ERRORS_BY_KIND: dict[ErrorKind, type[Exception]] = {
+    ErrorKind.INVALID_ARGUMENT: InvalidRequestError,
+    ErrorKind.BUSY: ServerBusyError,
+    ErrorKind.SHUTTING_DOWN: ShuttingDownError,
+    ErrorKind.TIMEOUT: RequestTimeoutError,
+}
+
+
+def error_of_kind(kind: ErrorKind | None, message: str) -> Exception:
+    """An exception of `kind` saying `message` (a RuntimeError for INTERNAL or None): how an engine output's
+    error (`RequestOutput.error`, `.error_kind`) is answered."""
+    return _ERRORS_BY_KIND.get(kind, RuntimeError)(message)
 
 
 @dataclass(frozen=True)

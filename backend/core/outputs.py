@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.backend.core.errors import ErrorKind
+
 
 @dataclass
 class CompletionOutput:
@@ -27,7 +29,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one user request after a step; `finished` is True exactly once, on its last output."""
+    """The state of one user request after a step; `finished` is True exactly once, on its last output.
+    An `error` ends it: `error_kind` says which (INTERNAL for a failed step, TIMEOUT for its timeout)."""
 
     request_id: str
     prompt: str | None
@@ -37,6 +40,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 @dataclass

@@ -26,6 +26,9 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
 
+# Bounds of a request's priority: any int64, as a Triton or vLLM client may send one.
+MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1
+
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -39,6 +42,7 @@ class Request:
 
     n>1 and beam search are several Requests sharing a `group_id`; the scheduler forks them.
     `max_tokens` is resolved against `max_model_len` by the scheduler when params leave it None.
+    `priority` orders it under the "priority" scheduling policy: lower first, 0 by default (vLLM's).
     """
 
     __slots__ = (
@@ -51,6 +55,7 @@ class Request:
         "num_computed_tokens",
         "status",
         "arrival_time",
+        "priority",
         "max_tokens",
         "cache_salt",
         "block_hashes",
@@ -67,10 +72,12 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
         _check_prompt(prompt_token_ids)
+        check_priority(priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
         self.request_id = request_id
@@ -82,6 +89,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
         self.max_tokens: int | None = self.sampling_params.max_tokens
         self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
@@ -123,6 +131,14 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
         )
+
+
+def check_priority(priority: object) -> None:
+    """Raise InvalidRequestError unless `priority` is an int64 (bool is not an int)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an integer, got {type(priority).__name__}", "priority")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidRequestError(f"priority must be in [-2**63, 2**63 - 1], got {priority}", "priority")
 
 
 def _check_prompt(prompt_token_ids: object) -> None:

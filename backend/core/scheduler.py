@@ -1,8 +1,9 @@
-"""Iteration-level scheduler: one token budget per step, running requests first, then waiting FCFS."""
+"""Iteration-level scheduler: one token budget per step, running requests first, then waiting ones in the
+order of the scheduling policy (arrival, or priority then arrival)."""
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ from pagedserve.backend.core.block_manager import BlockManager
 from pagedserve.backend.core.config import CacheConfig, SchedulerConfig
 from pagedserve.backend.core.errors import InvalidRequestError, ServerBusyError
 from pagedserve.backend.core.request import Request, RequestStatus
+from pagedserve.backend.core.request_queue import FCFSQueue, PriorityQueue, priority_key
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -43,6 +45,8 @@ class SchedulerOutput:
 class Scheduler:
     """Decides which requests run each step and owns their KV blocks through the BlockManager.
 
+    Under the priority policy `running` is kept in priority order, so its last request is always the one
+    to preempt (the lowest priority, the latest arrival), as under FCFS it is the newest.
     Not thread-safe; call schedule() and update_from_output() alternately from one thread.
     """
 
@@ -53,8 +57,9 @@ class Scheduler:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}
+        self._by_priority = scheduler_config.scheduling_policy == "priority"
         # Finished (aborted) requests are swept lazily from both queues, so removal is O(1).
-        self.waiting: deque[Request] = deque()
+        self.waiting: FCFSQueue | PriorityQueue = PriorityQueue() if self._by_priority else FCFSQueue()
         self.running: list[Request] = []
         # Running requests of n > 1 (or beam search) that have not sampled yet: each forks into all its
         # sequences at its first token, so their max_num_seqs slots are taken from admission on.
@@ -135,8 +140,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         if len(self.waiting) > 2 * self._num_waiting + 64:
             # Aborted requests stay queued until they reach the head; drop them in one amortised pass.
-            self.waiting = deque(r for r in self.waiting if not r.is_finished)
-        self.waiting.append(request)
+            self.waiting.compact()
+        self.waiting.add(request)
         self._num_waiting += 1
 
     def schedule(self) -> SchedulerOutput:
@@ -188,10 +193,12 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         if child.max_tokens is None:
             child.max_tokens = parent.max_tokens
+        # A sequence of the parent's request keeps that request's place in line.
+        child.priority, child.arrival_time = parent.priority, parent.arrival_time
         child.status = RequestStatus.RUNNING
         self.block_manager.fork(parent, child)
         self.requests[child.request_id] = child
-        self.running.append(child)
+        self._add_running(child)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests in any state with a finished status and free their blocks."""
@@ -244,26 +251,26 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        bm = self.block_manager
         waiting = self.waiting
-        max_seqs = self.config.max_num_seqs
         if self._unforked:
             self._unforked = [r for r in self._unforked if r.status == _RUNNING and not r.num_output_tokens]
-        occupied = len(self.running) + sum(_sequences_once_running(r) - 1 for r in self._unforked)
+        occupied = self._occupied_slots()
         while waiting and budget > 0:
-            request = waiting[0]
+            request = waiting.peek()
             if request.is_finished:
-                waiting.popleft()
+                waiting.pop()
                 continue
             seqs = _sequences_once_running(request)
-            if self.running and occupied + seqs > max_seqs:
-                break
-            hits, num_hit_tokens = bm.get_computed_blocks(request)
-            num_new = min(max(request.num_tokens - num_hit_tokens, 0), budget)
-            new_block_ids = bm.allocate_slots(request, num_new, hits, num_hit_tokens)
-            if new_block_ids is None:
-                break
-            waiting.popleft()
+            admitted = self._allocate_waiting(request, seqs, occupied, budget)
+            if admitted is None:
+                refund = self._preempt_for(request, out)
+                if refund is None:
+                    break
+                budget += refund
+                occupied = self._occupied_slots()
+                continue
+            num_hit_tokens, num_new, new_block_ids = admitted
+            waiting.pop()
             self._num_waiting -= 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -271,7 +278,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
-            self.running.append(request)
+            self._add_running(request)
             occupied += seqs
             if seqs > 1:
                 self._unforked.append(request)
@@ -279,6 +286,45 @@ class Scheduler:
                 self._add_scheduled(out, request, num_new, new_block_ids)
                 budget -= num_new
         return budget
+
+    def _occupied_slots(self) -> int:
+        """max_num_seqs slots taken: running sequences, plus those unforked requests will fork into."""
+        extra = sum(_sequences_once_running(r) - 1 for r in self._unforked if r.status == _RUNNING)
+        return len(self.running) + extra
+
+    def _allocate_waiting(
+        self, request: Request, seqs: int, occupied: int, budget: int
+    ) -> tuple[int, int, list[int]] | None:
+        """Slots for admitting `request` now: (prefix-cached tokens, new tokens, new block ids), or None
+        when its sequences or its blocks do not fit."""
+        if self.running and occupied + seqs > self.config.max_num_seqs:
+            return None
+        bm = self.block_manager
+        hits, num_hit_tokens = bm.get_computed_blocks(request)
+        num_new = min(max(request.num_tokens - num_hit_tokens, 0), budget)
+        new_block_ids = bm.allocate_slots(request, num_new, hits, num_hit_tokens)
+        return None if new_block_ids is None else (num_hit_tokens, num_new, new_block_ids)
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Priority policy: the last running request gives way to a waiting one of a strictly higher
+        priority, leaving this step if it was in it. Returns the tokens it gives back; None if none gives way."""
+        running = self.running
+        if not self._by_priority or not running or running[-1].priority <= request.priority:
+            return None
+        victim = running.pop()
+        refund = 0
+        for index in range(len(out.scheduled) - 1, -1, -1):
+            if out.scheduled[index].request is victim:
+                refund = out.scheduled.pop(index).num_scheduled_tokens
+                break
+        self._preempt(victim, out)
+        return refund
+
+    def _add_running(self, request: Request) -> None:
+        if self._by_priority:
+            bisect.insort_right(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
 
     def _add_scheduled(
         self, out: SchedulerOutput, request: Request, num_new: int, new_block_ids: list[int]
@@ -296,11 +342,11 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Recompute-style preemption: free everything, keep the tokens, rejoin at the queue front."""
+        """Recompute-style preemption: free everything, keep the tokens, rejoin the queue (FCFS: its front)."""
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         self._num_waiting += 1
         self.num_preemptions += 1
         out.preempted_ids.append(request.request_id)

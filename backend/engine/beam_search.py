@@ -180,7 +180,9 @@ class BeamGroup(RequestGroup):
             child_id,
             parent.prompt_token_ids,
             parent.sampling_params,
+            arrival_time=parent.arrival_time,
             group_id=self.request_id,
+            priority=parent.priority,
         )
         if parent.status == RequestStatus.RUNNING and parent.num_computed_tokens == parent.num_tokens:
             scheduler.fork_request(parent.request_id, child)

@@ -8,14 +8,17 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import heapq
 import itertools
 import logging
+import math
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
-from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.errors import ErrorKind, InvalidRequestError, RequestTimeoutError
 from pagedserve.backend.core.outputs import EngineStats, RequestOutput
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
@@ -45,7 +48,13 @@ _CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
         "gpu_memory_utilization",
         "enable_prefix_caching",
     ),
-    SchedulerConfig: ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_waiting"),
+    SchedulerConfig: (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "max_num_waiting",
+        "scheduling_policy",
+    ),
 }
 
 FaultInjector = Callable[[SchedulerOutput], None]
@@ -80,6 +89,12 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}  # by user request id
         self._owner: dict[str, RequestGroup] = {}  # by scheduler request id: the group it belongs to
         self._to_report: dict[str, RequestGroup] = {}  # touched since the last step's outputs
+        self._error_kinds: dict[str, ErrorKind] = {}  # by user request id, for an error that is not INTERNAL
+        # A heap of (deadline, token, request id) and, by request id, (token, timeout in seconds) while the
+        # request lives: a heap entry whose token is not its request's any more (it ended) is skipped.
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._timeouts: dict[str, tuple[int, float]] = {}
+        self._deadline_tokens = itertools.count()
         self._id_counter = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -121,11 +136,15 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
+        timeout: float | None = None,
     ) -> None:
         """Validate and queue a request; bad input raises InvalidRequestError naming the field.
 
         `add_special_tokens=False` tokenizes a text prompt without the tokenizer's own special tokens (a BOS):
-        for a prompt rendered from a chat template, which has them already (as vLLM's chat API does)."""
+        for a prompt rendered from a chat template, which has them already (as vLLM's chat API does).
+        `priority` orders it under the "priority" scheduling policy (lower first); a `timeout` in seconds
+        from `arrival_time` (time.monotonic(), default now) ends it with a TIMEOUT error once it passes."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
         if request_id in self._groups or request_id in self._owner:
@@ -138,6 +157,7 @@ class LLMEngine:
         token_ids = resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids,
                                      add_special_tokens)
         check_params(params, self.scheduler_config.max_num_seqs)
+        _check_timeout(timeout)
         token_ids = truncate_prompt(token_ids, params, self.scheduler_config.max_model_len)
         resolve_logits_params(self.tokenizer, self.vocab_size, params)
         # Compiled before the request takes any KV: a spec that does not compile is refused here.
@@ -147,7 +167,8 @@ class LLMEngine:
             # Prompt logprobs need logits at every prompt position, so such a request never hits the cache.
             salt = f"prompt-logprobs-{uuid.uuid4().hex}"
         request = Request(
-            request_id, token_ids, params, arrival_time=arrival_time, cache_salt=salt, group_id=request_id
+            request_id, token_ids, params, arrival_time=arrival_time, cache_salt=salt, group_id=request_id,
+            priority=priority,
         )
         self.scheduler.add_request(request)
         group: RequestGroup
@@ -162,6 +183,13 @@ class LLMEngine:
             new_matcher = (lambda: self.structured.matcher(grammar)) if grammar is not None else None
             group = SamplingGroup(request_id, prompt, request, self.tokenizer, self._unused_id, new_matcher)
         self._groups[request_id] = self._owner[request_id] = group
+        if timeout is not None:
+            self._watch_deadline(request_id, request.arrival_time + timeout, timeout)
+
+    def _watch_deadline(self, request_id: str, deadline: float, timeout: float) -> None:
+        token = next(self._deadline_tokens)
+        self._timeouts[request_id] = (token, timeout)
+        heapq.heappush(self._deadlines, (deadline, token, request_id))
 
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -180,6 +208,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one forward; one output per user request that got tokens or finished."""
+        if self._deadlines:
+            self._end_timed_out()
         sched = self.scheduler.schedule()
         if sched.scheduled:
             try:
@@ -194,6 +224,22 @@ class LLMEngine:
             if self.scheduler.num_waiting:
                 self._release_stalled_beams()
         return self._collect_outputs()
+
+    def _end_timed_out(self) -> None:
+        """End every request whose timeout passed, waiting or running, with a TIMEOUT error; its blocks
+        are freed before this step is scheduled."""
+        now = time.monotonic()
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, token, request_id = heapq.heappop(deadlines)
+            entry = self._timeouts.get(request_id)
+            group = self._groups.get(request_id)
+            if entry is None or entry[0] != token or group is None or group.finished:
+                continue
+            error = RequestTimeoutError(
+                f"request timeout expired: the request did not finish within its timeout of {entry[1]:g} s"
+            )
+            self._end_group(group, RequestStatus.FINISHED_ERROR, str(error), ErrorKind.TIMEOUT)
 
     def _release_stalled_beams(self) -> None:
         """Nothing could run: beams that wait for preempted siblings hold the blocks those siblings need.
@@ -318,9 +364,14 @@ class LLMEngine:
                 self._end_group(group, RequestStatus.FINISHED_ERROR, error)
         self.scheduler.update_from_output(sched, {})
 
-    def _end_group(self, group: RequestGroup, status: RequestStatus, error: str | None = None) -> None:
+    def _end_group(
+        self, group: RequestGroup, status: RequestStatus, error: str | None = None,
+        error_kind: ErrorKind = ErrorKind.INTERNAL,
+    ) -> None:
         """Abort or fail every unfinished sequence of a user request; it reports on the next step."""
         self.scheduler.finish_requests(group.end(status, error), status)
+        if error is not None and error_kind is not ErrorKind.INTERNAL:
+            self._error_kinds[group.request_id] = error_kind
         self._to_report[group.request_id] = group
 
     def _collect_outputs(self) -> list[RequestOutput]:
@@ -328,6 +379,8 @@ class LLMEngine:
         outputs = []
         for group in self._to_report.values():
             out = group.output()
+            if out.error is not None:
+                out.error_kind = self._error_kinds.pop(group.request_id, ErrorKind.INTERNAL)
             outputs.append(out)
             if out.finished:
                 self._forget(group)
@@ -336,6 +389,8 @@ class LLMEngine:
 
     def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]
+        self._error_kinds.pop(group.request_id, None)
+        self._timeouts.pop(group.request_id, None)
         for request_id in group.sequence_ids():
             self._owner.pop(request_id, None)
             self.sampler.free(request_id)
@@ -408,3 +463,11 @@ class LLMEngine:
             num_blocks=self.runner.num_blocks,
             num_free_blocks=sch.block_manager.num_free_blocks,
         )
+
+
+def _check_timeout(timeout: object) -> None:
+    """A request's timeout is None (none) or a finite number of seconds > 0."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise InvalidRequestError(f"timeout must be a number of seconds > 0, got {timeout!r}", "timeout")

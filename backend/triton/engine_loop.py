@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
-from pagedserve.backend.core.errors import ShuttingDownError
+from pagedserve.backend.core.errors import ErrorKind, ShuttingDownError
 from pagedserve.backend.core.outputs import RequestOutput
 from pagedserve.backend.triton.messages import (
     Cancel,
@@ -157,7 +157,8 @@ class EngineLoop:
         try:
             self.engine.add_request(request.request_id, inputs.prompt, inputs.params,
                                     prompt_token_ids=inputs.prompt_token_ids,
-                                    add_special_tokens=inputs.add_special_tokens)
+                                    add_special_tokens=inputs.add_special_tokens, arrival_time=request.arrival,
+                                    priority=inputs.priority, timeout=inputs.timeout)
         except Exception as error:  # noqa: BLE001 - every failure becomes this request's error response
             self._outbox.put_for(request, SendError(request, error))
             return
@@ -185,7 +186,7 @@ class EngineLoop:
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
             self._fail_batch(error)
             return
-        failed = [output for output in outputs if output.error]
+        failed = [output for output in outputs if output.error_kind is ErrorKind.INTERNAL]
         if failed:
             pb_utils.Logger.log_error(f"pagedserve engine step failed ({failed[0].error}); "
                                       f"ended {len(failed)} request(s) with an error")

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.request import check_priority
 from pagedserve.backend.core.sampling_params import SamplingParams
 
-# KServe request parameters that Triton or its clients set for themselves, not sampling settings.
+# KServe request parameters that Triton or its clients set for themselves, not sampling settings (the llm
+# model reads `priority` and `timeout` on their own).
 _RESERVED_PARAMETERS = {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers"}
 # Longest text_input / sampling_parameters accepted, in UTF-8 bytes: refused before tokenizing, so a huge
 # body costs no tokenizer time (the token limit, max_model_len, is the engine's check).
@@ -39,6 +41,8 @@ class LLMRequestInputs:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     add_special_tokens: bool = True
+    priority: int = 0  # the scheduling priority (lower first), 0 by default
+    timeout: float | None = None  # seconds from arrival until the request ends with a timeout error
 
     @property
     def from_ensemble(self) -> bool:
@@ -73,11 +77,51 @@ def _bool_input(inputs: dict[str, Any], name: str, default: bool = False) -> boo
     return bool(tensor.as_numpy().reshape(-1)[0]) if tensor is not None else default
 
 
+def _kserve_parameters(request: Any) -> dict[str, Any]:
+    raw = request.parameters()
+    return json.loads(raw) if isinstance(raw, str) and raw else dict(raw or {})
+
+
+def _sampling_settings(kserve: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kserve.items() if k not in _RESERVED_PARAMETERS and not k.startswith("triton_")}
+
+
 def request_parameters(request: Any) -> dict[str, Any]:
     """KServe request `parameters` (the generate endpoint's extra JSON fields) meant for sampling."""
-    raw = request.parameters()
-    params = json.loads(raw) if isinstance(raw, str) and raw else dict(raw or {})
-    return {k: v for k, v in params.items() if k not in _RESERVED_PARAMETERS and not k.startswith("triton_")}
+    return _sampling_settings(_kserve_parameters(request))
+
+
+def _int_setting(name: str, value: Any) -> int:
+    """An integer request field, or its decimal text (as sampling parameters are converted)."""
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+
+
+def _priority(kserve: dict[str, Any], settings: dict[str, Any]) -> int:
+    """The `priority` of sampling_parameters (vLLM's field), else of the KServe parameters (the generate
+    endpoint's `priority` field; Triton's 0 means the default level, which is 0 here too)."""
+    value = settings.pop("priority", kserve.get("priority", 0))
+    priority = _int_setting("priority", value)
+    check_priority(priority)
+    return priority
+
+
+def _timeout_seconds(request: Any, kserve: dict[str, Any]) -> float | None:
+    """The request's timeout: the KServe `timeout` parameter in microseconds (the generate endpoint's
+    field), else Triton's request timeout (gRPC clients' `timeout=`); 0 or none is no timeout."""
+    if "timeout" in kserve:
+        micros = _int_setting("timeout", kserve["timeout"])
+        if not 0 <= micros < 2**63:
+            raise InvalidRequestError(f"timeout must be microseconds in [0, 2**63), got {micros}", "timeout")
+    else:
+        micros = request.timeout()
+    return micros / 1e6 if micros else None
 
 
 def parse_llm_request(request: Any) -> LLMRequestInputs:
@@ -94,7 +138,8 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
         raise InvalidRequestError("text_input must not be empty", "text_input")
     if prompt_token_ids is not None and not prompt_token_ids:
         raise InvalidRequestError("input_ids must hold at least one token id", "input_ids")
-    settings = request_parameters(request)
+    kserve = _kserve_parameters(request)
+    settings = _sampling_settings(kserve)
     raw_json = string_input(inputs, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     if raw_json:
         try:
@@ -106,6 +151,7 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
                 f"sampling_parameters must be a JSON object, got {type(from_json).__name__}", "sampling_parameters"
             )
         settings.update(from_json)
+    priority = _priority(kserve, settings)
     params = SamplingParams.from_dict(settings)
     flags = {name: _bool_input(inputs, name) for name in _RETURN_FLAGS}
     return LLMRequestInputs(
@@ -115,5 +161,7 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
         stream=_bool_input(inputs, "stream"),
         exclude_input_in_output=_bool_input(inputs, "exclude_input_in_output"),
         add_special_tokens=_bool_input(inputs, "add_special_tokens", default=True),
+        priority=priority,
+        timeout=_timeout_seconds(request, kserve),
         **flags,
     )

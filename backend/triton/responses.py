@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
+from pagedserve.backend.core.errors import error_of_kind
 from pagedserve.backend.triton.encoding import OutputEncoder
 from pagedserve.backend.triton.messages import (
     CountStepFailure,
@@ -148,7 +149,7 @@ class ResponseThread:
         if output.finished:
             self._metrics.observe("e2e", now - request.arrival)
         if output.error:
-            send_final(request, error_response(RuntimeError(output.error)))
+            send_final(request, error_response(error_of_kind(output.error_kind, output.error)))
             return
         send_final(request, pb_utils.InferenceResponse(output_tensors=self.encoder.tensors(request, output)))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.backend.core.config import SCHEDULING_POLICIES
+
 # Cancellation is polled at most once per step (an aborted request can only leave between steps), and never
 # more than CANCEL_POLLS_PER_SECOND round trips a second: each is_cancelled() costs both processes CPU.
 CANCEL_POLL_SECONDS = 0.05
@@ -43,6 +45,7 @@ _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num
 _FLOAT_PARAMETERS = ("gpu_memory_utilization",)
 _BOOL_PARAMETERS = ("enable_prefix_caching",)
 _STRING_PARAMETERS = ("dtype", "device")
+_CHOICE_PARAMETERS = {"scheduling_policy": SCHEDULING_POLICIES}
 
 
 def _engine_value(key: str, raw: str) -> Any:
@@ -55,6 +58,8 @@ def _engine_value(key: str, raw: str) -> Any:
         if raw.lower() not in ("true", "false", "1", "0"):
             raise ValueError(raw)
         return raw.lower() in ("true", "1")
+    if key in _CHOICE_PARAMETERS and raw not in _CHOICE_PARAMETERS[key]:
+        raise ValueError(raw)
     return raw
 
 
@@ -62,14 +67,15 @@ def engine_arguments(parameters: dict[str, dict]) -> tuple[str, dict[str, Any]]:
     """(model path, LLMEngine.from_pretrained kwargs) from config.pbtxt `parameters`; "" keeps a default."""
     values = {key: entry.get("string_value", "").strip() for key, entry in parameters.items()}
     kwargs: dict[str, Any] = {}
-    for key in _INT_PARAMETERS + _FLOAT_PARAMETERS + _BOOL_PARAMETERS + _STRING_PARAMETERS:
+    for key in (*_INT_PARAMETERS, *_FLOAT_PARAMETERS, *_BOOL_PARAMETERS, *_STRING_PARAMETERS, *_CHOICE_PARAMETERS):
         raw = values.get(key, "")
         if not raw:
             continue
         try:
             kwargs[key] = _engine_value(key, raw)
         except ValueError:
-            raise ValueError(f"config.pbtxt parameter {key} has a bad value {raw!r}") from None
+            allowed = f" (one of {', '.join(_CHOICE_PARAMETERS[key])})" if key in _CHOICE_PARAMETERS else ""
+            raise ValueError(f"config.pbtxt parameter {key} has a bad value {raw!r}{allowed}") from None
     return values.get("model", ""), kwargs
 
 

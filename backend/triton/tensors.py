@@ -14,6 +14,7 @@ _TRITON_CODES = {
     ErrorKind.INVALID_ARGUMENT: "INVALID_ARG",
     ErrorKind.BUSY: "UNAVAILABLE",
     ErrorKind.SHUTTING_DOWN: "UNAVAILABLE",
+    ErrorKind.TIMEOUT: "UNAVAILABLE",  # what Triton's own queue answers a request whose timeout passed
     ErrorKind.INTERNAL: "INTERNAL",
 }
 

@@ -111,6 +111,7 @@ def make_scheduler(
     max_model_len: int = 256,
     enable_prefix_caching: bool = True,
     max_num_waiting: int = 4096,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     """A scheduler over a tiny pool."""
     return Scheduler(
@@ -119,6 +120,7 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             max_num_waiting=max_num_waiting,
+            scheduling_policy=scheduling_policy,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,

@@ -7,8 +7,11 @@ from pagedserve.backend.core.errors import (
     INTERNAL_ERROR_PREFIX,
     ErrorKind,
     InvalidRequestError,
+    RequestTimeoutError,
     ServerBusyError,
     ShuttingDownError,
+    error_kind,
+    error_of_kind,
     from_wire,
     to_wire,
 )
@@ -26,6 +29,8 @@ from pagedserve.backend.core.errors import (
      "server busy: 4 requests already waiting"),
     (ShuttingDownError("the llm model is shutting down"), ErrorKind.SHUTTING_DOWN, None,
      "the llm model is shutting down"),
+    (RequestTimeoutError("request timeout expired: the request did not finish within its timeout of 2 s"),
+     ErrorKind.TIMEOUT, None, "request timeout expired: the request did not finish within its timeout of 2 s"),
     (RuntimeError("engine step failed: boom"), ErrorKind.INTERNAL, None,
      INTERNAL_ERROR_PREFIX + "engine step failed: boom"),
 ])
@@ -46,3 +51,9 @@ def test_kind_field_and_human_message_survive_the_wire(error, kind, field, human
 ])
 def test_a_message_without_our_tag_is_not_read_as_ours(text):
     assert from_wire(text) is None
+
+
+@pytest.mark.parametrize("kind", list(ErrorKind))
+def test_an_engine_outputs_error_kind_becomes_an_exception_of_that_kind(kind):
+    assert error_kind(error_of_kind(kind, "it failed")) is kind
+    assert str(error_of_kind(kind, "it failed")) == "it failed"

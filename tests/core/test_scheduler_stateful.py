@@ -1,4 +1,5 @@
-"""Random add / step / finish / abort / fork / pause sequences never corrupt the block pool."""
+"""Random add / step / finish / abort / fork / pause sequences never corrupt the block pool, under either
+scheduling policy (requests of random priorities)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from pagedserve.backend.core.request import RequestStatus
+from pagedserve.backend.core.request_queue import priority_key
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [3, 3, 3, 3, 3, 3]]
 
@@ -20,8 +22,9 @@ def make_machine(runner_factory, alone):
             caching=st.booleans(),
             block_size=st.sampled_from([2, 4]),
             budget=st.sampled_from([4, 16, 64]),
+            policy=st.sampled_from(["fcfs", "priority"]),
         )
-        def setup(self, caching, block_size, budget):
+        def setup(self, caching, block_size, budget, policy):
             self.runner = runner_factory(
                 num_blocks=11,
                 block_size=block_size,
@@ -29,6 +32,7 @@ def make_machine(runner_factory, alone):
                 max_num_seqs=6,
                 max_model_len=11 * block_size,
                 enable_prefix_caching=caching,
+                scheduling_policy=policy,
             )
             self.sched = self.runner.scheduler
             self.count = 0
@@ -49,7 +53,7 @@ def make_machine(runner_factory, alone):
             max_tokens = data.draw(st.integers(1, min(room, 12)))
             request_id = f"r{self.count}"
             self.count += 1
-            self.runner.add(request_id, prompt, max_tokens)
+            self.runner.add(request_id, prompt, max_tokens, priority=data.draw(st.integers(-1, 2)))
             self.expected[request_id] = alone(prompt, max_tokens)
 
         @rule()
@@ -107,6 +111,12 @@ def make_machine(runner_factory, alone):
                     assert len(table) == -(-request.num_computed_tokens // bm.block_size)
                 else:
                     assert request.num_computed_tokens == 0
+
+        @invariant()
+        def under_the_priority_policy_running_requests_stay_in_priority_order(self):
+            if self.sched.config.scheduling_policy == "priority":
+                keys = [priority_key(r) for r in self.sched.running if r.status == RequestStatus.RUNNING]
+                assert keys == sorted(keys)
 
         @invariant()
         def cached_hashes_point_at_their_blocks(self):

@@ -65,10 +65,12 @@ class GrpcStream:
             Answer(time.monotonic(), result, error)))
         self._closed = False
 
-    def send(self, model: str, values: dict[str, object], request_id: str = "") -> None:
-        """Send one request built by `grpc_inputs`; its final response is always sent, empty or not."""
+    def send(self, model: str, values: dict[str, object], request_id: str = "", *, priority: int = 0,
+             timeout: int | None = None) -> None:
+        """Send one request built by `grpc_inputs`; its final response is always sent, empty or not.
+        `priority` and `timeout` (microseconds) are Triton's own request fields, as tritonclient sets them."""
         self._client.async_stream_infer(model, grpc_inputs(values), request_id=request_id,
-                                        enable_empty_final_response=True)
+                                        enable_empty_final_response=True, priority=priority, timeout=timeout)
 
     def next(self, timeout: float = ANSWER_TIMEOUT_SECONDS) -> Answer:
         """The next answer; queue.Empty if none comes within `timeout` seconds."""
