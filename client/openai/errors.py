@@ -16,6 +16,7 @@ TRITON_ERRORS = (TritonRequestError, TritonUnavailableError)
 _STATUS_AND_CODE = {
     ErrorKind.BUSY: (503, "server_busy"),
     ErrorKind.SHUTTING_DOWN: (503, "server_busy"),
+    ErrorKind.TIMEOUT: (504, "timeout"),
     ErrorKind.INTERNAL: (500, "internal_error"),
 }
 

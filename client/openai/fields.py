@@ -22,6 +22,7 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "allowed_token_ids": (list,),
     "bad_words": (list,),
     "truncate_prompt_tokens": (int,),
+    "priority": (int,),  # vLLM's: lower first, under the llm model's scheduling_policy priority
 }
 KIND_WORDS = {(int, float): "a number", (int,): "an integer", (bool,): "a boolean", (list,): "a list", (dict,): "an object",
               (str,): "a string"}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.request import check_priority
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.client.openai.chat_options import ChatOptions, parse_chat_options
 from pagedserve.client.openai.errors import bad_request, refusal
@@ -341,6 +342,9 @@ def _add_special_tokens(body: dict, default: bool) -> bool:
 def _validate_sampling(request: GenerationRequest) -> None:
     """Check the sampling dict with the engine's own rules, naming the OpenAI field on failure."""
     try:
-        SamplingParams.from_dict(dict(request.sampling))
+        sampling = dict(request.sampling)
+        # The request's place in the queue travels with the sampling parameters but is not one of them.
+        check_priority(sampling.pop("priority", 0))
+        SamplingParams.from_dict(sampling)
     except InvalidRequestError as error:
         raise refusal(str(error), error.field, request.param_renames) from error

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 from pagedserve.backend.core.errors import (
+    ErrorKind,
     InvalidRequestError,
+    RequestTimeoutError,
     ServerBusyError,
     ShuttingDownError,
     to_wire,
@@ -30,6 +32,7 @@ def _mapped(error: BaseException, renames: dict[str, str] | None = None):
          400, "prompt", None, "prompt of 300 tokens plus max_tokens 16 exceeds max_model_len 256"),
         (InvalidRequestError("top_p must be in (0, 1], got 1.5", "top_p"), 400, "top_p", None,
          "top_p must be in (0, 1], got 1.5"),
+        (RequestTimeoutError("request timeout expired"), 504, None, "timeout", "request timeout expired"),
         # A server fault is a 500, never the client's fault.
         (RuntimeError("engine step failed: RuntimeError('boom')"), 500, None, "internal_error",
          "internal error: engine step failed: RuntimeError('boom')"),
@@ -102,3 +105,13 @@ def test_an_untagged_error_is_tritons_own_refusal_of_what_the_shim_sent_a_503(me
 def test_unreachable_triton_is_503():
     api_error = triton_api_error(TritonUnavailableError("tritonserver at 127.0.0.1:9: connection refused"))
     assert api_error.status == 503 and api_error.body()["error"]["type"] == "server_error"
+
+
+def test_every_error_kind_of_the_llm_model_has_an_openai_answer():
+    # A new kind must be given a status here, or the shim would fail on it with a KeyError.
+    samples = {ErrorKind.INVALID_ARGUMENT: InvalidRequestError("x", "prompt"), ErrorKind.BUSY: ServerBusyError("x"),
+               ErrorKind.SHUTTING_DOWN: ShuttingDownError("x"), ErrorKind.TIMEOUT: RequestTimeoutError("x"),
+               ErrorKind.INTERNAL: RuntimeError("x")}
+    assert set(samples) == set(ErrorKind)
+    for error in samples.values():
+        assert 400 <= _mapped(error).status < 600

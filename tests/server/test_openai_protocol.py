@@ -87,6 +87,8 @@ def test_completion_refuses_malformed_prompt_naming_it(prompt):
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"50256": -101}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"priority": 2**63}, "priority"),
+        ({"priority": 1.5}, "priority"),
         ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({"suffix": "end"}, "suffix"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -79,7 +79,7 @@ def test_logit_bias_and_vllm_logits_fields_reach_the_engine(client, shim_url):
                                         extra_body={"allowed_token_ids": [paris], "ignore_eos": True})
     assert allowed.usage.completion_tokens == 6
     bad = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, user="alice",
-                                    extra_body={"bad_words": ["Paris"], "truncate_prompt_tokens": 3})
+                                    extra_body={"bad_words": ["Paris"], "truncate_prompt_tokens": 3, "priority": -5})
     assert bad.usage.prompt_tokens == 3 and "Paris" not in bad.choices[0].text
 
 
