@@ -40,7 +40,7 @@ from pagedserve.backend.worker.sampler import Sampler, SamplerOutput
 logger = logging.getLogger(__name__)
 
 _CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
-    ModelConfig: ("dtype", "device", "seed", "cpu_threads"),
+    ModelConfig: ("dtype", "quantization", "device", "seed", "cpu_threads"),
     CacheConfig: (
         "block_size",
         "num_blocks",
@@ -158,6 +158,10 @@ class LLMEngine:
                                      add_special_tokens)
         check_params(params, self.scheduler_config.max_num_seqs)
         _check_timeout(timeout)
+        if priority and self.scheduler_config.scheduling_policy != "priority":
+            # As vLLM: a priority the queue would not honour is refused, not dropped.
+            raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy (this engine "
+                                      f"schedules {self.scheduler_config.scheduling_policy})", "priority")
         token_ids = truncate_prompt(token_ids, params, self.scheduler_config.max_model_len)
         resolve_logits_params(self.tokenizer, self.vocab_size, params)
         # Compiled before the request takes any KV: a spec that does not compile is refused here.

@@ -141,6 +141,11 @@ def parse_chat_request(body: dict) -> ChatRequest:
         sampling["logprobs"] = logprobs
     elif top_logprobs is not None:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise bad_request("'metadata' must be an object", "metadata")
+        logger.debug("chat request metadata %r (nothing is stored)", metadata)
     tools = parse_tool_choice(body)
     constrain(tools, sampling, renames)
     request = ChatRequest(model, [], sampling, stream, stream_options, logprobs,

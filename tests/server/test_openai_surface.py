@@ -79,7 +79,7 @@ def test_logit_bias_and_vllm_logits_fields_reach_the_engine(client, shim_url):
                                         extra_body={"allowed_token_ids": [paris], "ignore_eos": True})
     assert allowed.usage.completion_tokens == 6
     bad = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, user="alice",
-                                    extra_body={"bad_words": ["Paris"], "truncate_prompt_tokens": 3, "priority": -5})
+                                    extra_body={"bad_words": ["Paris"], "truncate_prompt_tokens": 3})
     assert bad.usage.prompt_tokens == 3 and "Paris" not in bad.choices[0].text
 
 
@@ -87,6 +87,13 @@ def test_a_bad_logit_bias_is_refused_naming_it(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logit_bias={"5": 500})
     assert info.value.body["param"] == "logit_bias"
+
+
+def test_a_priority_the_fcfs_engine_would_not_honour_is_refused_as_vllm_does(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": -5})
+    assert info.value.body["param"] == "priority" and "priority scheduling policy" in info.value.message
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"priority": 0})
 
 
 def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client):
