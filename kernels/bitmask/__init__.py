@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-from pagedserve.kernels.bitmask import reference
+from pagedserve.kernels.bitmask import cpu, reference
 from pagedserve.kernels.dispatch import Implementations
 
 
@@ -16,7 +16,7 @@ def _load_triton() -> ModuleType:
     return triton
 
 
-_IMPLEMENTATIONS = Implementations(reference, None, _load_triton)
+_IMPLEMENTATIONS = Implementations(reference, cpu, _load_triton)
 
 
 def apply_token_bitmask(

@@ -52,3 +52,16 @@ def test_triton_equals_reference(dtype, vocab):
     reference.apply_token_bitmask(expected, bitmask[:3], rows)
     bitmask_triton.apply_token_bitmask(logits, bitmask[:3].contiguous(), rows)
     torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)  # bf16 takes the reference inside the CPU module
+@pytest.mark.parametrize("vocab", [37, 5000])
+def test_cpu_equals_reference_on_a_subset_of_rows(dtype, vocab):
+    from pagedserve.kernels.bitmask import cpu
+
+    logits, bitmask = _case(6, vocab, dtype, seed=vocab + 1)
+    rows = torch.tensor([5, 0, 3])
+    expected = logits.clone()
+    reference.apply_token_bitmask(expected, bitmask[:3], rows)
+    cpu.apply_token_bitmask(logits, bitmask[:3].contiguous(), rows)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
