@@ -142,6 +142,7 @@ class StructuredOutputs:
         if not rows:
             return logits
         xgr = self._xgr()
+        logits = logits.float()  # what the sampler reads anyway; the CPU kernel takes fp32 only
         bitmask = xgr.allocate_token_bitmask(len(rows), self._vocab_size)
         json_rows = []
         for k, i in enumerate(rows):
