@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.backend.core.config import QUANTIZATIONS
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # Parameter keys filled with the model path in every model of the repository that declares them.
@@ -409,6 +411,8 @@ def _stop_process_group(proc: subprocess.Popen | None, timeout: float = 10.0) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `serve` options."""
     parser.add_argument("--model", help="model directory (safetensors + tokenizer); default: SmolLM2-135M-Instruct")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="quantize the model's projections at load: int8 per channel or int4 in groups")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
@@ -440,6 +444,8 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM or until tritonserver exits; returns the exit status."""
     params = _parse_params(args.param)
+    if args.quantization is not None:
+        params["quantization"] = args.quantization
     model = args.model
     if model is None:
         from pagedserve.backend.worker.default_model import ensure_default_model

@@ -8,6 +8,7 @@ from pagedserve.backend.core.errors import InvalidRequestError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZATIONS = ("none", "int8", "int4")  # on-the-fly weight quantization (backend/model/quantized.py)
 MAX_BLOCK_SIZE = 256
 
 
@@ -79,10 +80,11 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Which model to load, in which dtype, on which device."""
+    """Which model to load, in which dtype, on which device, with its projections quantized or not."""
 
     model: str
     dtype: str = "auto"
+    quantization: str = "none"
     device: str = "auto"
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads on the CPU; None keeps torch's default
@@ -92,6 +94,9 @@ class ModelConfig:
             raise InvalidRequestError("model must be a non-empty string", "model")
         if self.dtype not in _DTYPES:
             raise InvalidRequestError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}", "dtype")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}", "quantization")
         device = self.device
         if not isinstance(device, str) or not (
             device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.llama import LlamaForCausalLM
+from pagedserve.backend.model.quantized import prepare_quantized, quantize_projections
 from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,10 @@ def resolve_dtype(dtype: str, cfg: ModelArchConfig) -> torch.dtype:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int
+    path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int, quantization: str = "none"
 ) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` with every weight read from the safetensors files."""
+    """Build the model on `device` in `dtype` with every weight read from the safetensors files; `quantization`
+    int8 / int4 then quantizes the decoder's projections (QuantizedLinear)."""
     path = Path(path)
     cfg = ModelArchConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -67,6 +69,8 @@ def load_model(
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")
     _check_complete(model, cfg, loaded)
+    quantize_projections(model, quantization)
+    prepare_quantized(model)
     model.init_rope(dtype, device)
     model.eval()
     return model

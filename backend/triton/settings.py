@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.backend.core.config import SCHEDULING_POLICIES
+from pagedserve.backend.core.config import QUANTIZATIONS, SCHEDULING_POLICIES
 
 # Cancellation is polled at most once per step (an aborted request can only leave between steps), and never
 # more than CANCEL_POLLS_PER_SECOND round trips a second: each is_cancelled() costs both processes CPU.
@@ -45,7 +45,7 @@ _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num
 _FLOAT_PARAMETERS = ("gpu_memory_utilization",)
 _BOOL_PARAMETERS = ("enable_prefix_caching",)
 _STRING_PARAMETERS = ("dtype", "device")
-_CHOICE_PARAMETERS = {"scheduling_policy": SCHEDULING_POLICIES}
+_CHOICE_PARAMETERS = {"scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS}
 
 
 def _engine_value(key: str, raw: str) -> Any:

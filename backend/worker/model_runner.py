@@ -101,7 +101,8 @@ class ModelRunner:
             )
         max_position = max(self.arch.max_position_embeddings, scheduler_config.max_model_len)
         torch.manual_seed(model_config.seed)
-        self.model: LlamaForCausalLM = load_model(model_config.model, self.dtype, self.device, max_position)
+        self.model: LlamaForCausalLM = load_model(model_config.model, self.dtype, self.device, max_position,
+                                                  model_config.quantization)
         if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES:
             logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
         self.num_blocks = self._num_blocks(cache_config, scheduler_config)

@@ -1,0 +1,94 @@
+"""The CPU quantized linear: torch's packed weight-only kernels where the layer's layout fits them, else the reference.
+
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` are vectorised for bf16 activations only (fp32 ones
+ran 10-50x slower than fp32 oneDNN here), so they run in bf16, scales and zeros included; see
+docs/benchmarks.md, "Quantized weights". Their packed forms are built once per weight and kept in it.
+"""
+
+from __future__ import annotations
+
+import torch
+from pagedserve.kernels.quant_linear import reference
+from pagedserve.kernels.quant_linear.layout import QuantizedWeight
+
+COMPUTE_DTYPE = torch.bfloat16
+_INT4_GROUP_SIZES = (32, 64, 128, 256)
+_INT4_ROW_TILE = 16  # the int4 packing works on whole tiles of output rows
+
+
+def int4_fits(weight: QuantizedWeight) -> bool:
+    """True when torch's int4 CPU kernel serves this layout: whole groups of a size it knows, whole row tiles."""
+    return (weight.bits == 4 and weight.group_size in _INT4_GROUP_SIZES and weight.in_features % weight.group_size == 0
+            and weight.out_features % _INT4_ROW_TILE == 0)
+
+
+def int8_fits(weight: QuantizedWeight) -> bool:
+    """True when torch's int8 CPU kernel serves it, one call per group: whole groups (or one per channel)."""
+    return weight.bits == 8 and weight.in_features % weight.group_size == 0
+
+
+def _int4_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torch's int4 pack, scales and zeros [G, N, 2]); torch dequantizes (q - 8) * scale + zero."""
+    if "cpu_int4" not in weight.packed:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.int_values(), 2)
+        scales = weight.scales.to(torch.float32)
+        offsets = weight.offsets.to(torch.float32) if weight.offsets is not None else torch.zeros_like(scales)
+        zeros = offsets + 8 * scales
+        scale_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE)
+        weight.packed["cpu_int4"] = (packed, scale_and_zeros)
+    return weight.packed["cpu_int4"]
+
+
+def _int8_packed(weight: QuantizedWeight) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Per group: (int8 [N, group_size] contiguous, bf16 scales [N], fp32 offsets [N] or None).
+
+    One scale per channel is the canonical tensor itself; groups get their own contiguous copies.
+    """
+    if "cpu_int8" not in weight.packed:
+        groups = []
+        for g in range(weight.num_groups):
+            cols = slice(g * weight.group_size, (g + 1) * weight.group_size)
+            q = weight.qweight if weight.num_groups == 1 else weight.qweight[:, cols].contiguous()
+            offsets = None if weight.offsets is None else weight.offsets[:, g].to(torch.float32).contiguous()
+            groups.append((q, weight.scales[:, g].to(COMPUTE_DTYPE).contiguous(), offsets))
+        weight.packed["cpu_int8"] = groups
+    return weight.packed["cpu_int8"]
+
+
+def prepare(weight: QuantizedWeight) -> int:
+    """Build the packed form now (at load, not in the first step); returns its extra bytes."""
+    if int4_fits(weight):
+        _int4_packed(weight)
+    elif int8_fits(weight):
+        _int8_packed(weight)
+    return weight.packed_nbytes()
+
+
+def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.quant_linear.quant_linear on the CPU."""
+    if int4_fits(weight):
+        packed, scale_and_zeros = _int4_packed(weight)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), packed, weight.group_size, scale_and_zeros)
+    elif int8_fits(weight):
+        out = _int8_mm(_rows(x), weight)
+    else:
+        return reference.quant_linear(x, weight, bias)
+    out = out.view(*x.shape[:-1], weight.out_features).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _int8_mm(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:  # [M, K] bf16 -> [M, N] fp32
+    """Sum over groups of scale * (x_g @ q_g.T) + offset * sum(x_g), each group one torch int8 call."""
+    out = None
+    size = weight.group_size
+    for g, (q, scales, offsets) in enumerate(_int8_packed(weight)):
+        x_g = x if weight.num_groups == 1 else x[:, g * size:(g + 1) * size].contiguous()
+        part = torch.ops.aten._weight_int8pack_mm(x_g, q, scales).float()
+        if offsets is not None:
+            part += x_g.float().sum(-1, keepdim=True) * offsets
+        out = part if out is None else out.add_(part)
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE).contiguous()

@@ -1,0 +1,141 @@
+"""Weight-only quantized linear: the canonical layout, on-the-fly quantization, and each backend against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import quant_linear as ql
+from pagedserve.kernels.quant_linear import cpu, reference
+from pagedserve.kernels.quant_linear.layout import QuantizedWeight
+
+M_ROWS = [1, 7, 64]
+
+
+def _weight(n: int, k: int, bits: int, group_size: int, offsets: bool, seed: int = 0) -> QuantizedWeight:
+    """Random integers, scales and offsets of the sizes real checkpoints have."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group_size)
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int32)
+    scales = torch.rand(n, groups, generator=gen) * 0.02 + 0.001
+    offs = torch.randn(n, groups, generator=gen) * 0.05 if offsets else None
+    return ql.from_int_values(q, scales, offs, bits, group_size)
+
+
+@pytest.mark.parametrize("k", [1, 6, 33])
+def test_int4_pack_then_unpack_gives_back_the_values_for_odd_widths(k):
+    values = torch.randint(0, 16, (5, k), generator=torch.Generator().manual_seed(k))
+    packed = ql.pack_int4(values)
+    assert packed.shape == (5, (k + 1) // 2) and packed.dtype == torch.uint8
+    assert torch.equal(ql.unpack_int4(packed, k), values.to(torch.int32))
+    assert packed[0, 0] == values[0, 0] | ((values[0, 1] if k > 1 else 0) << 4)
+
+
+def test_dequantize_is_exactly_integers_times_scales_plus_offsets():
+    q = torch.tensor([[0, 15, 7, 8, 1]])
+    scales = torch.tensor([[0.5, 0.25, 2.0]], dtype=torch.float16)
+    offsets = torch.tensor([[-4.0, 1.0, 0.5]], dtype=torch.float16)
+    w = ql.from_int_values(q, scales, offsets, 4, group_size=2)  # the last group is one column
+    assert w.dequantize().tolist() == [[-4.0, 3.5, 2.75, 3.0, 2.5]]
+    q8 = ql.from_int_values(torch.tensor([[-128, 127, 3]]), torch.tensor([[0.125]]), None, 8, 3)
+    assert q8.dequantize().tolist() == [[-16.0, 15.875, 0.375]]
+    assert q8.dequantize(rows=torch.tensor([0, 0])).shape == (2, 3)
+
+
+def test_a_weight_of_the_wrong_shape_or_dtype_is_refused():
+    with pytest.raises(ValueError, match="4-bit qweight must be"):
+        QuantizedWeight(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 1), None, 4, 8, 8)
+    with pytest.raises(ValueError, match="scales must be"):
+        QuantizedWeight(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 2), None, 8, 8, 8)
+    with pytest.raises(ValueError, match="even group_size"):
+        QuantizedWeight(torch.zeros(4, 4, dtype=torch.uint8), torch.ones(4, 3), None, 4, 3, 8)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        QuantizedWeight(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, 1), None, 3, 8, 8)
+    with pytest.raises(ValueError, match="0..15"):
+        ql.pack_int4(torch.tensor([[16, 0]]))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_quantization_error_is_at_most_half_a_step(group_size, symmetric):
+    w = torch.randn(48, 200, generator=torch.Generator().manual_seed(group_size))  # 200: a partial last group
+    q = ql.quantize_int4(w, group_size, symmetric=symmetric)
+    step = q.scales.repeat_interleave(group_size, 1)[:, :200]
+    # Symmetric clamps +absmax to 7 steps of absmax / 7: exact; -absmax never below -8 steps.
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    assert q.int_values().min() >= 0 and q.int_values().max() <= 15
+
+
+def test_int8_per_channel_quantization_error_is_at_most_half_a_step():
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
+    q = ql.quantize_int8(w)
+    assert q.num_groups == 1 and q.offsets is None
+    assert ((q.dequantize() - w).abs() <= q.scales / 2 + 1e-6).all()
+    assert ql.quantize_int8(torch.zeros(2, 8)).dequantize().abs().max() == 0
+
+
+def test_int4_group_size_falls_back_to_one_that_divides_the_width():
+    assert ql.int4_group_size(576) == 64
+    assert ql.int4_group_size(576, preferred=128) == 64
+    assert ql.int4_group_size(1536, preferred=128) == 128
+    assert ql.int4_group_size(100) == 64  # no size divides: the partial last group is served by the reference
+
+
+def _bf16_emulation(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """What torch's CPU kernels compute: bf16 activations, scales and zeros, fp32 sums."""
+    scales = w.scales.to(torch.bfloat16).float()
+    rounded_w = w.int_values().float()
+    if w.bits == 4:
+        zeros = (w.offsets.float() + 8 * w.scales.float()).to(torch.bfloat16).float()
+        rounded_w = rounded_w - 8
+    else:
+        zeros = w.offsets.float() if w.offsets is not None else torch.zeros_like(scales)
+    per_col = lambda t: t.repeat_interleave(w.group_size, 1)[:, : w.in_features]  # noqa: E731
+    dq = rounded_w * per_col(scales) + per_col(zeros)
+    return x.to(torch.bfloat16).float() @ dq.T
+
+
+@pytest.mark.parametrize("m", M_ROWS)
+@pytest.mark.parametrize(("bits", "group_size", "offsets"),
+                         [(8, 256, False), (8, 32, False), (8, 64, True), (4, 32, True), (4, 64, True),
+                          (4, 128, True)])
+def test_cpu_packed_kernel_equals_its_bf16_emulation_and_the_fp32_reference_to_bf16_rounding(m, bits, group_size,
+                                                                                             offsets):
+    w = _weight(96, 256, bits, group_size, offsets)
+    assert cpu.int4_fits(w) or cpu.int8_fits(w)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    out = cpu.quant_linear(x, w)
+    assert out.dtype == torch.float32 and out.shape == (m, 96)
+    emulated = _bf16_emulation(x, w)
+    # The kernel rounds its output to bf16 (grouped int8: each group's partial sum), half a bf16 step each.
+    roundings = w.num_groups if bits == 8 else 1
+    atol = 2**-9 * roundings**0.5 * emulated.abs().max().item()
+    torch.testing.assert_close(out, emulated, rtol=2**-8, atol=atol)
+    exact = reference.quant_linear(x, w)
+    torch.testing.assert_close(out, exact, rtol=0, atol=0.02 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize(("n", "k", "bits", "group_size"), [(97, 256, 4, 32), (96, 100, 4, 32), (96, 100, 8, 32)])
+def test_cpu_layers_the_packed_kernels_do_not_serve_run_the_reference_exactly(n, k, bits, group_size):
+    w = _weight(n, k, bits, group_size, offsets=bits == 4)
+    assert not (cpu.int4_fits(w) or cpu.int8_fits(w))
+    x = torch.randn(7, k)
+    assert torch.equal(cpu.quant_linear(x, w), reference.quant_linear(x, w))
+
+
+def test_cpu_kernel_adds_bias_and_keeps_leading_dims_and_dtype():
+    w = _weight(32, 64, 4, 32, offsets=True)
+    bias = torch.randn(32, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    out = cpu.quant_linear(x, w, bias)
+    assert out.shape == (2, 3, 32) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference.quant_linear(x.float(), w, bias.float()), atol=0.05, rtol=0.02)
+
+
+def test_prepare_builds_the_cpu_packed_form_once():
+    w = _weight(32, 64, 4, 32, offsets=True)
+    extra = ql.prepare(w)
+    assert extra == 32 * 32 + 2 * 32 * 2 * 2  # packed nibbles + bf16 (scale, zero) per group
+    packed = w.packed["cpu_int4"]
+    ql.quant_linear(torch.randn(1, 64), w)
+    assert w.packed["cpu_int4"] is packed
