@@ -7,13 +7,15 @@ from typing import Any
 from pagedserve.client.openai.errors import bad_request
 from pagedserve.client.openai.protocol import MAX_TOKEN_ID, parse_messages
 from pagedserve.client.openai.shim import OpenAIShim
+from pagedserve.client.openai.tools import parse_tool_choice
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
                    "return_token_strs"}
 
 
 async def tokenize(shim: OpenAIShim, body: dict) -> dict:
-    """{count, max_model_len, tokens[, token_strs]} of a prompt, or of messages rendered by the template."""
+    """{count, max_model_len, tokens[, token_strs]} of a prompt, or of messages (and tools) rendered by the
+    template."""
     _known(body, TOKENIZE_FIELDS)
     shim.check_model(_model(body))
     if ("prompt" in body) == ("messages" in body):
@@ -24,7 +26,9 @@ async def tokenize(shim: OpenAIShim, body: dict) -> dict:
         text, special = body["prompt"], _flag(body, "add_special_tokens", True)
     else:
         messages = parse_messages(body["messages"])
-        text = (await shim.chat_template()).render(messages, _flag(body, "add_generation_prompt", True))
+        choice = parse_tool_choice({"tools": body["tools"]}) if body.get("tools") is not None else None
+        text = (await shim.chat_template()).render(messages, _flag(body, "add_generation_prompt", True),
+                                                   tools=list(choice.tools) if choice is not None else None)
         special = _flag(body, "add_special_tokens", False)  # the template holds them, as in chat requests
     tokenizer = await shim.tokenizer()
     encoding = tokenizer.encode(text, add_special_tokens=special)

@@ -226,3 +226,10 @@ def test_auto_needs_the_flags(tool_triton):
         assert info.value.body["param"] == "tool_choice"
         assert "--enable-auto-tool-choice" in info.value.body["message"]
         assert _chat(client, messages=ASK, tools=TOOLS, tool_choice="required").choices[0].message.tool_calls
+
+
+def test_tokenize_renders_the_tools_as_chat_does(client, shim_url, tokenizer):
+    import httpx
+
+    answer = httpx.post(f"{shim_url}/tokenize", json={"model": MODEL, "messages": ASK, "tools": TOOLS}).json()
+    assert answer["count"] == _prompt_tokens(tokenizer, ASK, TOOLS) > _prompt_tokens(tokenizer, ASK, None)
