@@ -72,6 +72,13 @@ def resolve_logits_params(tokenizer: Tokenizer, vocab_size: int, params: Samplin
     params.bad_words_token_ids = sequences
 
 
+def check_priority_policy(priority: int, policy: str) -> None:
+    """As vLLM: a priority the waiting queue would not honour is refused, not dropped."""
+    if priority and policy != "priority":
+        raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy (this engine "
+                                  f"schedules {policy})", "priority")
+
+
 def check_beams_fit(request: Request, cache_config: CacheConfig, num_blocks: int) -> None:
     """All beams live at once, so the pool must hold the shared prompt plus every beam's own tail."""
     block_size = cache_config.block_size

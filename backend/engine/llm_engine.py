@@ -27,6 +27,7 @@ from pagedserve.backend.engine.beam_search import BeamGroup
 from pagedserve.backend.engine.input_processing import (
     check_beams_fit,
     check_params,
+    check_priority_policy,
     resolve_logits_params,
     resolve_prompt,
     truncate_prompt,
@@ -145,10 +146,7 @@ class LLMEngine:
         for a prompt rendered from a chat template, which has them already (as vLLM's chat API does).
         `priority` orders it under the "priority" scheduling policy (lower first); a `timeout` in seconds
         from `arrival_time` (time.monotonic(), default now) ends it with a TIMEOUT error once it passes."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", "request_id")
-        if request_id in self._groups or request_id in self._owner:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        self._check_request_id(request_id)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
@@ -158,10 +156,7 @@ class LLMEngine:
                                      add_special_tokens)
         check_params(params, self.scheduler_config.max_num_seqs)
         _check_timeout(timeout)
-        if priority and self.scheduler_config.scheduling_policy != "priority":
-            # As vLLM: a priority the queue would not honour is refused, not dropped.
-            raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy (this engine "
-                                      f"schedules {self.scheduler_config.scheduling_policy})", "priority")
+        check_priority_policy(priority, self.scheduler_config.scheduling_policy)
         token_ids = truncate_prompt(token_ids, params, self.scheduler_config.max_model_len)
         resolve_logits_params(self.tokenizer, self.vocab_size, params)
         # Compiled before the request takes any KV: a spec that does not compile is refused here.
@@ -189,6 +184,12 @@ class LLMEngine:
         self._groups[request_id] = self._owner[request_id] = group
         if timeout is not None:
             self._watch_deadline(request_id, request.arrival_time + timeout, timeout)
+
+    def _check_request_id(self, request_id: str) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", "request_id")
+        if request_id in self._groups or request_id in self._owner:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
 
     def _watch_deadline(self, request_id: str, deadline: float, timeout: float) -> None:
         token = next(self._deadline_tokens)
