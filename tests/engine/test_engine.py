@@ -12,7 +12,7 @@ from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import UnsupportedModelError
 
 from pagedserve.testing import copy_with_bos_tokenizer
-from tests.support.engines import cpu_engine
+from tests.support.engines import cpu_engine, greedy, run_to_end
 
 PROMPT = "The quick brown fox"
 
@@ -20,19 +20,6 @@ PROMPT = "The quick brown fox"
 @pytest.fixture
 def engine(tiny_llama_path) -> LLMEngine:
     return cpu_engine(tiny_llama_path, block_size=4, num_blocks=64, max_model_len=128)
-
-
-def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def run_to_end(engine: LLMEngine) -> dict:
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,10 @@ import math
 
 import pytest
 from pagedserve.backend.core.errors import ErrorKind, InvalidRequestError
-from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine import llm_engine
 from pagedserve.backend.engine.llm_engine import LLMEngine
 
-from tests.support.engines import cpu_engine
+from tests.support.engines import cpu_engine, greedy, run_to_end
 
 PROMPT = "The quick brown fox"
 OTHER = "Once upon a time"
@@ -37,19 +36,6 @@ def clock(monkeypatch) -> FakeClock:
 @pytest.fixture
 def engine(tiny_llama_path) -> LLMEngine:
     return cpu_engine(tiny_llama_path, block_size=4, num_blocks=64, max_model_len=128)
-
-
-def greedy(max_tokens: int = 12) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def run_to_end(engine: LLMEngine) -> dict:
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 def test_a_running_request_whose_timeout_passes_ends_with_a_timeout_error_and_frees_its_blocks(engine, clock):
