@@ -86,7 +86,11 @@ class ModelArchConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelArchConfig:
-        """Read `path/config.json`."""
+        """Read `path/config.json`, or a .gguf file's metadata."""
+        if str(path).endswith(".gguf"):
+            from pagedserve.backend.model import gguf_file
+
+            return cls.from_dict(gguf_file.config_dict(path))
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")

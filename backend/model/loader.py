@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.llama import LlamaForCausalLM
 from pagedserve.backend.model.quantized import prepare_quantized, quantize_projections
 from safetensors import safe_open
@@ -42,7 +43,12 @@ def load_model(
     path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int, quantization: str = "none"
 ) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` with every weight read from the safetensors files; `quantization`
-    int8 / int4 then quantizes the decoder's projections (QuantizedLinear)."""
+    int8 / int4 then quantizes the decoder's projections (QuantizedLinear). A .gguf file loads as it is stored."""
+    if str(path).endswith(".gguf"):
+        if quantization != "none":
+            raise ValueError(f"quantization {quantization!r} applies to float checkpoints; a GGUF file is served "
+                             "with its own quantization")
+        return load_gguf_model(path, dtype, device, max_position)
     path = Path(path)
     cfg = ModelArchConfig.from_pretrained(path)
     with torch.device("meta"):
@@ -129,9 +135,13 @@ def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The checkpoint's fast tokenizer (tokenizer.json, chat template included), from local files only."""
+    """The checkpoint's fast tokenizer (tokenizer.json, chat template included), from local files only; a GGUF
+    file's own vocabulary, merges and chat template."""
     from transformers import AutoTokenizer
 
+    if str(path).endswith(".gguf"):
+        path = Path(path)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

@@ -68,9 +68,11 @@ def quantize_projections(model: nn.Module, method: str) -> int:
 
 
 def prepare_quantized(model: nn.Module) -> None:
-    """Build every quantized weight's packed form for its device now, at load, not in the first step."""
+    """Build every quantized weight's packed form for its device now, at load, not in the first step. An
+    embedding table keeps its canonical integers when its packed form cannot give rows back cheaply (int4)."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedEmbedding)}
     for weight in quantized_weights(model):
-        ql.prepare(weight)
+        ql.prepare(weight, release=id(weight) not in tables or weight.bits == 8)
 
 
 def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:

@@ -16,10 +16,11 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     return _IMPLEMENTATIONS.select(x).quant_linear(x, weight, bias)
 
 
-def prepare(weight: QuantizedWeight) -> int:
-    """Build the backend's packed form of `weight` for its device now; returns the extra bytes it holds."""
+def prepare(weight: QuantizedWeight, release: bool = True) -> int:
+    """Build the backend's packed form of `weight` for its device now, dropping the canonical integers it
+    duplicates unless `release` is False; returns the bytes the packed forms add."""
     module = _IMPLEMENTATIONS.select(weight.scales)
-    return module.prepare(weight) if hasattr(module, "prepare") else 0
+    return module.prepare(weight, release) if hasattr(module, "prepare") else 0
 
 
 __all__ = [

@@ -55,13 +55,34 @@ def _int8_packed(weight: QuantizedWeight) -> list[tuple[torch.Tensor, torch.Tens
     return weight.packed["cpu_int8"]
 
 
-def prepare(weight: QuantizedWeight) -> int:
-    """Build the packed form now (at load, not in the first step); returns its extra bytes."""
+def prepare(weight: QuantizedWeight, release: bool = True) -> int:
+    """Build the packed form now (at load, not in the first step) and, with `release`, drop the canonical qweight
+    it duplicates (its integers stay readable through the packed form); returns the bytes the forms add."""
     if int4_fits(weight):
-        _int4_packed(weight)
+        packed, _ = _int4_packed(weight)
+        if release and weight.qweight is not None:
+            weight.release_qweight(_int4_unpacker(packed, weight))
     elif int8_fits(weight):
-        _int8_packed(weight)
+        groups = _int8_packed(weight)
+        if release and weight.num_groups > 1 and weight.qweight is not None:
+            weight.release_qweight(lambda rows: torch.cat([q if rows is None else q[rows] for q, _, _ in groups],
+                                                          dim=1).to(torch.int32))
     return weight.packed_nbytes()
+
+
+def _int4_unpacker(packed: torch.Tensor, weight: QuantizedWeight):
+    """The integers read back through torch's own kernel (its layout is private to it): with scale 1 and zero 8
+    it dequantizes q - 8 + 8 = q, and the identity times that is q exactly."""
+    k, groups = weight.in_features, weight.num_groups
+    ones = torch.stack([torch.ones(groups, weight.out_features), torch.full((groups, weight.out_features), 8.0)],
+                       dim=-1).to(COMPUTE_DTYPE)
+
+    def unpack(rows: torch.Tensor | None) -> torch.Tensor:
+        eye = torch.eye(k, dtype=COMPUTE_DTYPE)
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, weight.group_size, ones).T.to(torch.int32)
+        return q if rows is None else q[rows]
+
+    return unpack
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

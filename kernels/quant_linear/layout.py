@@ -8,6 +8,7 @@ GGUF Q8_0 (offsets None), Q4_0 (offsets -8d), Q4_1 (offsets m), GPTQ/AWQ (offset
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ class QuantizedWeight:
     in_features: int
     # Backend-specific packed forms built from the tensors above on first use (kernels/quant_linear/cpu.py).
     packed: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Set when a backend's packed form replaced qweight (release_qweight): the integers of some rows (all: None).
+    unpacker: Callable[[torch.Tensor | None], torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         n, k, groups = self.out_features, self.in_features, self.num_groups
@@ -47,7 +50,7 @@ class QuantizedWeight:
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.scales.shape[0]
 
     @property
     def num_groups(self) -> int:
@@ -55,12 +58,23 @@ class QuantizedWeight:
 
     @property
     def device(self) -> torch.device:
-        return self.qweight.device
+        return self.scales.device
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The stored tensors by name (what a module registers as buffers)."""
-        named = {"qweight": self.qweight, "scales": self.scales}
+        """The stored tensors by name (qweight absent once released)."""
+        named = {"scales": self.scales} if self.qweight is None else {"qweight": self.qweight, "scales": self.scales}
         return named if self.offsets is None else {**named, "offsets": self.offsets}
+
+    def release_qweight(self, unpacker: Callable[[torch.Tensor | None], torch.Tensor]) -> None:
+        """Drop qweight once a backend's packed form holds the same integers; `unpacker(rows)` gives them back."""
+        self.qweight, self.unpacker = None, unpacker
+
+    def canonical_qweight(self) -> torch.Tensor:
+        """qweight, rebuilt from the packed form when it was released."""
+        if self.qweight is not None:
+            return self.qweight
+        q = self.int_values()
+        return q.to(torch.int8) if self.bits == 8 else pack_int4(q)
 
     def nbytes(self) -> int:
         """Bytes of the stored tensors, packed forms excluded."""
@@ -80,31 +94,29 @@ class QuantizedWeight:
         return total
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        """The same weight on another device (packed forms are rebuilt there)."""
-        moved = {name: tensor.to(device) for name, tensor in self.tensors().items()}
-        return QuantizedWeight(moved["qweight"], moved["scales"], moved.get("offsets"), self.bits, self.group_size,
-                               self.in_features)
+        """The same weight on another device (packed forms are rebuilt there); itself when already there."""
+        if self.device == torch.device(device):
+            return self
+        offsets = None if self.offsets is None else self.offsets.to(device)
+        return QuantizedWeight(self.canonical_qweight().to(device), self.scales.to(device), offsets, self.bits,
+                               self.group_size, self.in_features)
 
-    def int_values(self) -> torch.Tensor:  # [N, K] int32
-        """The integers q, unpacked."""
-        if self.bits == 8:
-            return self.qweight.to(torch.int32)
-        return unpack_int4(self.qweight, self.in_features)
+    def int_values(self, rows: torch.Tensor | None = None) -> torch.Tensor:  # [N or len(rows), K] int32
+        """The integers q (of `rows` only, when given), unpacked."""
+        if self.qweight is None:
+            return self.unpacker(rows)
+        packed = self.qweight if rows is None else self.qweight[rows]
+        return packed.to(torch.int32) if self.bits == 8 else unpack_int4(packed, self.in_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """W (or its `rows`) computed in fp32 and then cast to `dtype`."""
-        q = self.int_values() if rows is None else _rows(self, rows)
+        q = self.int_values(rows)
         scales = self.scales if rows is None else self.scales[rows]
         w = q.to(torch.float32) * _per_column(scales, self.group_size, self.in_features)
         if self.offsets is not None:
             offsets = self.offsets if rows is None else self.offsets[rows]
             w = w + _per_column(offsets, self.group_size, self.in_features)
         return w.to(dtype)
-
-
-def _rows(weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
-    packed = weight.qweight[rows]
-    return packed.to(torch.int32) if weight.bits == 8 else unpack_int4(packed, weight.in_features)
 
 
 def _per_column(per_group: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
@@ -141,3 +153,37 @@ def from_int_values(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
         qweight = pack_int4(q)
     return QuantizedWeight(qweight.contiguous(), scales.contiguous(),
                            None if offsets is None else offsets.contiguous(), bits, group_size, in_features)
+
+
+def select_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
+    """The weight's output rows in the order of `rows` (exact: rows carry their own scales)."""
+    offsets = None if weight.offsets is None else weight.offsets[rows]
+    return QuantizedWeight(weight.canonical_qweight()[rows].contiguous(), weight.scales[rows].contiguous(),
+                           None if offsets is None else offsets.contiguous(), weight.bits, weight.group_size,
+                           weight.in_features)
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose rows are each weight's in turn (a fused projection); int4 parts widen to int8 when the
+    bits differ (the same values, scales and offsets), scales and offsets to fp32 when their dtypes differ."""
+    first = weights[0]
+    if any((w.group_size, w.in_features) != (first.group_size, first.in_features) for w in weights):
+        raise ValueError("fused parts need the same group size and input width: "
+                         f"{[(w.group_size, w.in_features) for w in weights]}")
+    bits = max(w.bits for w in weights)
+    any_offsets = any(w.offsets is not None for w in weights)
+
+    def common(tensors: list[torch.Tensor]) -> torch.Tensor:
+        same = all(t.dtype == tensors[0].dtype for t in tensors)
+        return torch.cat(tensors if same else [t.to(torch.float32) for t in tensors])
+
+    def offsets(w: QuantizedWeight) -> torch.Tensor:
+        return w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+
+    if bits == 4:
+        qweight = torch.cat([w.canonical_qweight() for w in weights])
+    else:
+        qweight = torch.cat([w.canonical_qweight() if w.bits == 8 else w.int_values().to(torch.int8) for w in weights])
+    return QuantizedWeight(qweight, common([w.scales for w in weights]),
+                           common([offsets(w) for w in weights]) if any_offsets else None, bits,
+                           first.group_size, first.in_features)

@@ -139,3 +139,24 @@ def test_prepare_builds_the_cpu_packed_form_once():
     packed = w.packed["cpu_int4"]
     ql.quant_linear(torch.randn(1, 64), w)
     assert w.packed["cpu_int4"] is packed
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 128), (8, 32)])
+def test_prepare_drops_the_canonical_integers_and_reads_them_back_exactly_through_the_packed_form(bits, group_size):
+    w = _weight(48, 256, bits, group_size, offsets=True)
+    q, dense = w.int_values(), w.dequantize()
+    x = torch.randn(3, 256)
+    before = cpu.quant_linear(x, w)
+    ql.prepare(w)
+    assert w.qweight is None and "qweight" not in w.tensors()
+    assert torch.equal(w.int_values(), q) and torch.equal(w.dequantize(), dense)
+    rows = torch.tensor([5, 0, 47, 5])
+    assert torch.equal(w.dequantize(rows=rows), dense[rows])
+    assert torch.equal(cpu.quant_linear(x, w), before)
+    assert torch.equal(w.canonical_qweight(), ql.pack_int4(q) if bits == 4 else q.to(torch.int8))
+
+
+def test_a_per_channel_int8_weight_is_served_from_its_own_tensor_and_kept():
+    w = _weight(32, 64, 8, 64, offsets=False)
+    assert ql.prepare(w) == 32 * 2  # bf16 scales only
+    assert w.qweight is not None
