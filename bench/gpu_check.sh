@@ -4,6 +4,8 @@
 #   bash bench/gpu_check.sh            on the GPU machine, from the repository root; results under $OUT
 #   bash bench/gpu_check.sh --dry-run  anywhere: tiny sizes on the CPU under TRITON_INTERPRET=1
 #
+# correctness covers every Triton kernel against its torch reference, the W8A16 / W4A16 quantized GEMM
+# (kernels/quant_linear) included, decode and prefill rows, each also timed against bf16 F.linear.
 # Writes $OUT/gpu_check.json (every figure), $OUT/gpu_check.log (the run's output) and $OUT/env.log.
 # $OUT defaults to bench/results/gpu_check (dry run: a temporary folder). Needs python3 with torch and
 # triton; pagedserve need not be installed. Each part has its own time limit so the whole run ends

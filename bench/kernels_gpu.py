@@ -146,9 +146,42 @@ def _row_checks(device: torch.device, dry: bool) -> list[dict]:
     return results
 
 
+def _quant_weight(n: int, k: int, bits: int, group_size: int, device: torch.device):
+    """A random W8A16 (per channel) or W4A16 (groups, with offsets) weight on `device`."""
+    from pagedserve.kernels import quant_linear as ql
+
+    dense = torch.randn(n, k, device=device) * 0.02
+    weight = ql.quantize_int8(dense) if bits == 8 else ql.quantize_int4(dense, group_size)
+    return weight.to(device)
+
+
+def _quant_linear_checks(device: torch.device, dry: bool) -> list[dict]:
+    """W8A16 / W4A16 dequantize-in-the-GEMM against dequantize-then-F.linear, decode and prefill rows, bf16;
+    each check also times the kernel against bf16 F.linear on the dense weight."""
+    from pagedserve.kernels.quant_linear import reference
+    from pagedserve.kernels.quant_linear import triton as quant_triton
+
+    n, k = (4096, 4096) if not dry else (48, 96)
+    results = []
+    for bits, group_size in ((8, k), (4, 128), (4, 32)):
+        weight = _quant_weight(n, k, bits, group_size if not dry else 32, device)
+        dense = weight.dequantize(torch.bfloat16)
+        for m in (1, 7, 64, 512) if not dry else (1, 7):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            want = reference.quant_linear(x, weight)
+            res = _check(f"quant_linear W{bits}A16 group={weight.group_size} M={m} N={n} K={k}",
+                         quant_triton.quant_linear(x, weight), want, 2e-2, 2e-2)
+            reps = 3 if dry else 20
+            res["triton_ms"] = round(bench_ms(lambda x=x, w=weight: quant_triton.quant_linear(x, w), device, 2, reps), 4)
+            res["bf16_dense_ms"] = round(bench_ms(lambda x=x, d=dense: F.linear(x, d), device, 2, reps), 4)
+            log(f"    {res['triton_ms']} ms (bf16 dense F.linear {res['bf16_dense_ms']} ms)")
+            results.append(res)
+    return results
+
+
 def gpu_correctness(device: torch.device, dry: bool) -> list[dict]:
     """Every Triton kernel against its torch reference at serving sizes (tiny sizes in a dry run)."""
-    return _attention_checks(device, dry) + _row_checks(device, dry)
+    return _attention_checks(device, dry) + _row_checks(device, dry) + _quant_linear_checks(device, dry)
 
 
 def gpu_decode_bandwidth(device: torch.device, dry: bool, peak_gbps: float) -> list[dict]:

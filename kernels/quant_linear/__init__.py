@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from pagedserve.kernels.dispatch import Implementations
 from pagedserve.kernels.quant_linear import cpu, reference
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight, from_int_values, pack_int4, unpack_int4
 from pagedserve.kernels.quant_linear.quantize import int4_group_size, quantize_int4, quantize_int8
 
-_IMPLEMENTATIONS = Implementations(reference, cpu)
+
+def _load_triton() -> ModuleType:
+    from pagedserve.kernels.quant_linear import triton
+
+    return triton
+
+
+_IMPLEMENTATIONS = Implementations(reference, cpu, _load_triton)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -160,3 +160,97 @@ def test_a_per_channel_int8_weight_is_served_from_its_own_tensor_and_kept():
     w = _weight(32, 64, 8, 64, offsets=False)
     assert ql.prepare(w) == 32 * 2  # bf16 scales only
     assert w.qweight is not None
+
+
+TRITON_CASES = [(8, 263, None), (8, 263, 32), (4, 97, 32), (4, 263, 128), (4, 97, 16)]
+
+
+@pytest.mark.parametrize("m", M_ROWS)
+@pytest.mark.parametrize(("bits", "k", "group_size"), TRITON_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_dequantize_in_the_gemm_equals_the_reference(m, bits, k, group_size, dtype):
+    from pagedserve.kernels.quant_linear import triton as quant_triton
+
+    n = 37  # odd N, with odd K: masked tails on both
+    w = _weight(n, k, bits, group_size or k, offsets=bits == 4 or group_size == 32, seed=k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    bias = torch.randn(n).to(dtype) if m == 7 else None
+    got = quant_triton.quant_linear(x, w, bias)
+    want = reference.quant_linear(x, w, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    if dtype == torch.float32:  # the same weights; only the order of the fp32 sums differs
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        return
+    # bf16: the interpreter truncates each dequantized weight to bf16 where torch rounds (one bf16 step of each
+    # product at most), and both round the output.
+    bound = 2**-7 * (x.float().abs() @ w.dequantize().abs().T) + 2**-7 * want.float().abs() + 1e-3
+    assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+def test_triton_keeps_leading_dims_and_serves_an_empty_batch():
+    from pagedserve.kernels.quant_linear import triton as quant_triton
+
+    w = _weight(20, 64, 4, 32, offsets=True)
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(quant_triton.quant_linear(x, w), reference.quant_linear(x, w), atol=1e-4, rtol=1e-5)
+    assert quant_triton.quant_linear(torch.empty(0, 64), w).shape == (0, 20)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_on_the_triton_quantized_kernel_gives_the_reference_kernels_tokens(tiny_llama_path, monkeypatch,
+                                                                                  method):
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+    from pagedserve.kernels.quant_linear import triton as quant_triton
+
+    from .checks import spy
+
+    prompts = [[5, 17, 33, 90, 41, 7, 250, 3, 64], [12, 8, 300, 77, 19, 45, 101, 6]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    outputs = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv("PAGEDSERVE_KERNELS", mode)
+        engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", num_blocks=16,
+                                           quantization=method)
+        launches = spy(monkeypatch, quant_triton, "quant_linear")
+        outputs[mode] = engine.generate(prompts, params)
+    assert launches, "the Triton quantized linear never ran"
+    for got, want in zip(outputs["triton"], outputs["torch"], strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        got_lp = [lp[t] for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids, strict=True)]
+        want_lp = [lp[t] for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids, strict=True)]
+        assert got_lp == pytest.approx(want_lp, abs=1e-4)
+
+
+_AOT_SCRIPT = """
+import json, torch
+from pagedserve.kernels import quant_linear as ql
+from pagedserve.kernels.quant_linear import triton as quant_triton
+from pagedserve.kernels.aot import compile_launch, record_launches
+
+weights = [ql.quantize_int4(torch.zeros(4096, 4096), 128), ql.quantize_int8(torch.zeros(4096, 4096))]
+with record_launches(quant_triton) as launches:
+    for w in weights:
+        for m in (1, 512):  # the decode tile and the prefill tile
+            quant_triton.quant_linear(torch.zeros(m, 4096, dtype=torch.bfloat16), w)
+print(json.dumps([compile_launch(launch) for launch in launches]))
+"""
+
+
+def test_the_quantized_gemm_compiles_for_sm90_without_spills():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    # A fresh interpreter: here the kernels were decorated for TRITON_INTERPRET and cannot compile.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    configs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(c["constexprs"]["BITS"], c["constexprs"]["BLOCK_M"]) for c in configs] == [(4, 16), (4, 64), (8, 16),
+                                                                                      (8, 64)]
+    for config in configs:
+        assert config["stack_bytes"] == 0, config  # no register spills
+        assert config["shared_bytes"] <= 232448, config  # 227 KB per block on sm_90
