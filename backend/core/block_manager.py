@@ -226,7 +226,18 @@ class BlockManager:
         if self._pending_copies:
             owned = set(table)
             self._pending_copies = [c for c in self._pending_copies if c[1] not in owned]
-        for block_id in reversed(table):
+        self._release(table)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past those `num_tokens` tokens need (the slots of rejected draft tokens)."""
+        table = self.block_tables.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is not None and len(table) > keep:
+            self._release(table[keep:])
+            del table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from pagedserve.backend.core.errors import InvalidRequestError
@@ -107,3 +108,63 @@ class ModelConfig:
         _check_int("seed", self.seed, 0, 2**63 - 1)
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
+
+
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: n-gram (prompt-lookup) drafts of `num_speculative_tokens`, matched on the
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min` (one given sets the other)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+                "speculative_config.method",
+            )
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5  # vLLM's default when neither is given
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                _check_int(f"speculative_config.{name}", getattr(self, name), 1, 1024)
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})",
+                "speculative_config.prompt_lookup_min",
+            )
+
+    @classmethod
+    def from_value(cls, value: object) -> SpeculativeConfig | None:
+        """None (speculation off), a dict with vLLM's keys, or its JSON text (a Triton parameter, a CLI flag)."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"speculative_config is not valid JSON: {exc}", "speculative_config") from exc
+        if not isinstance(value, dict):
+            raise InvalidRequestError(
+                f"speculative_config must be a JSON object, got {type(value).__name__}", "speculative_config")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise InvalidRequestError(
+                f"speculative_config has unknown keys {unknown}; allowed: {', '.join(_SPECULATIVE_KEYS)}",
+                f"speculative_config.{unknown[0]}",
+            )
+        if "num_speculative_tokens" not in value:
+            raise InvalidRequestError(
+                "speculative_config.num_speculative_tokens is required", "speculative_config.num_speculative_tokens")
+        return cls(**value)

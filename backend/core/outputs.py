@@ -57,3 +57,6 @@ class EngineStats:
     generation_tokens: int = 0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    spec_decode_num_drafts: int = 0  # sequences' draft runs verified (vLLM's spec_decode_num_drafts)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0

@@ -61,6 +61,7 @@ class Request:
         "block_hashes",
         "num_cached_tokens",
         "group_id",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -95,6 +96,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1
         self.group_id = group_id
+        # Draft tokens proposed for the next step (speculative decoding); the scheduler takes them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

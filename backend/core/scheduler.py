@@ -18,7 +18,8 @@ _RUNNING = RequestStatus.RUNNING
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: tokens all_token_ids[c : c+k] at positions c .. c+k-1."""
+    """One request's share of a step: tokens all_token_ids[c : c+k] at positions c .. c+k-1, where the last
+    len(spec_token_ids) of the k are those draft tokens (speculative decoding), not yet in all_token_ids."""
 
     request: Request
     num_scheduled_tokens: int
@@ -26,6 +27,7 @@ class ScheduledRequest:
     block_ids: list[int]
     new_block_ids: list[int]
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -156,8 +158,13 @@ class Scheduler:
         out.block_copies = self.block_manager.take_block_copies()
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record the step's results: computed tokens advance, sampled tokens append, full blocks cache."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int], num_accepted: dict[str, int] | None = None
+    ) -> None:
+        """Record the step's results: computed tokens advance, sampled tokens append, full blocks cache.
+
+        `num_accepted[request_id]`: how many of its draft tokens were accepted (appended before its sampled
+        token); the rejected ones' computed tokens and blocks roll back. No entry: all rejected."""
         cache_full_blocks = self.block_manager.cache_full_blocks
         bs = self.block_size
         for sched in out.scheduled:
@@ -165,14 +172,26 @@ class Scheduler:
             if request.status != _RUNNING:
                 continue
             before = request.num_computed_tokens
-            after = request.num_computed_tokens = before + sched.num_scheduled_tokens
+            num_rejected = 0
+            if sched.spec_token_ids:
+                num_rejected = self._accept_drafts(sched, (num_accepted or {}).get(request.request_id, 0))
+            after = request.num_computed_tokens = before + sched.num_scheduled_tokens - num_rejected
             if sched.sample:
                 token = sampled.get(request.request_id)
                 if token is not None:
                     request.output_token_ids.append(token)
                     request.all_token_ids.append(token)
+            if num_rejected:
+                self.block_manager.trim(request, request.num_tokens)
             if after // bs != before // bs:
                 cache_full_blocks(request)
+
+    def _accept_drafts(self, sched: ScheduledRequest, num_accepted: int) -> int:
+        """Append the accepted draft tokens; returns how many were rejected."""
+        accepted = sched.spec_token_ids[:num_accepted]
+        sched.request.output_token_ids.extend(accepted)
+        sched.request.all_token_ids.extend(accepted)
+        return len(sched.spec_token_ids) - len(accepted)
 
     def fork_request(self, parent_id: str, child: Request) -> None:
         """Start `child` as a running copy of the parent that shares all its KV blocks.
@@ -236,7 +255,12 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            new_block_ids = allocate_slots(request, num_new)
+            spec = _take_drafts(request, num_new, budget)
+            # Drafts only take free blocks: short of them, the request decodes one token and nobody is preempted.
+            new_block_ids = allocate_slots(request, num_new + len(spec)) if spec else None
+            if new_block_ids is None:
+                spec = []
+                new_block_ids = allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = running.pop()
                 self._preempt(victim, out)
@@ -245,8 +269,8 @@ class Scheduler:
                 new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
-            self._add_scheduled(out, request, num_new, new_block_ids)
-            budget -= num_new
+            self._add_scheduled(out, request, num_new, new_block_ids, spec)
+            budget -= num_new + len(spec)
             index += 1
         return budget
 
@@ -327,17 +351,19 @@ class Scheduler:
             self.running.append(request)
 
     def _add_scheduled(
-        self, out: SchedulerOutput, request: Request, num_new: int, new_block_ids: list[int]
+        self, out: SchedulerOutput, request: Request, num_new: int, new_block_ids: list[int],
+        spec: list[int] | None = None,
     ) -> None:
         computed = request.num_computed_tokens
         out.scheduled.append(
             ScheduledRequest(
                 request,
-                num_new,
+                num_new + len(spec or ()),
                 computed,
                 self.block_manager.block_tables[request.request_id],
                 new_block_ids,
                 computed + num_new == len(request.all_token_ids),
+                spec or [],
             )
         )
 
@@ -350,6 +376,15 @@ class Scheduler:
         self._num_waiting += 1
         self.num_preemptions += 1
         out.preempted_ids.append(request.request_id)
+
+
+def _take_drafts(request: Request, num_new: int, budget: int) -> list[int]:
+    """The request's draft tokens that fit this step (taken off it): only a decode (one new token) has any."""
+    spec = request.spec_token_ids
+    if not spec:
+        return spec
+    request.spec_token_ids = []
+    return spec[: budget - 1] if num_new == 1 else []
 
 
 def _sequences_once_running(request: Request) -> int:

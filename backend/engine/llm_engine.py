@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedserve.backend.core.errors import ErrorKind, InvalidRequestError, RequestTimeoutError
 from pagedserve.backend.core.outputs import EngineStats, RequestOutput
 from pagedserve.backend.core.request import Request, RequestStatus
@@ -33,6 +33,7 @@ from pagedserve.backend.engine.input_processing import (
     truncate_prompt,
 )
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
+from pagedserve.backend.engine.speculative import NgramSpeculator, Run, record_run
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
 from pagedserve.backend.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -71,7 +72,8 @@ class LLMEngine:
     """Paged-KV-cache generation over a Llama-family model; `step()` runs one scheduled forward."""
 
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+        self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+        speculative_config: SpeculativeConfig | None = None,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
@@ -85,6 +87,8 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, cache_config, self.runner.num_blocks)
         self.sampler = Sampler(self.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.speculator = None if speculative_config is None else NgramSpeculator(
+            speculative_config, scheduler_config.max_model_len)
         # Test hook: called with the SchedulerOutput before each forward; raising fails that step's requests.
         self.fault_injector: FaultInjector | None = None
         self._groups: dict[str, RequestGroup] = {}  # by user request id
@@ -102,8 +106,9 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, model: str, **kwargs: Any) -> LLMEngine:
-        """Load a Hugging Face model folder; kwargs are ModelConfig/CacheConfig/SchedulerConfig fields."""
-        known = {name for names in _CONFIG_FIELDS.values() for name in names}
+        """Load a Hugging Face model folder; kwargs: the configs' fields, `speculative_config` (dict or JSON)."""
+        speculative_config = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
+        known = {name for names in _CONFIG_FIELDS.values() for name in names} | {"speculative_config"}
         for key in kwargs:
             if key not in known:
                 raise InvalidRequestError(
@@ -119,7 +124,7 @@ class LLMEngine:
         model_config = ModelConfig(
             model=str(model), **{k: v for k, v in kwargs.items() if k in _CONFIG_FIELDS[ModelConfig]}
         )
-        engine = cls(model_config, configs[CacheConfig], configs[SchedulerConfig])
+        engine = cls(model_config, configs[CacheConfig], configs[SchedulerConfig], speculative_config)
         # What start-up made (weights' modules, tokenizer, block pool) lives as long as the engine: out of
         # the garbage collector's full passes, which otherwise rescan it every few hundred steps.
         gc.collect()
@@ -215,6 +220,8 @@ class LLMEngine:
         """Schedule and run one forward; one output per user request that got tokens or finished."""
         if self._deadlines:
             self._end_timed_out()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.scheduled:
             try:
@@ -280,14 +287,16 @@ class LLMEngine:
             if sampled is None
             else dict(zip((r.request_id for r in batch.requests), sampled.token_ids, strict=True))
         )
-        self.scheduler.update_from_output(sched, tokens)
+        num_accepted, runs = ({}, {}) if not runner_out.spec_logits else self.speculator.verify(
+            sched, runner_out.spec_logits, batch.requests, sampled, tokens)
+        self.scheduler.update_from_output(sched, tokens, num_accepted)
         for group, child in batch.forks:
             self.scheduler.fork_request(group.seqs[0].request.request_id, child)
             child.append_output_token_id(tokens[child.request_id])
             group.adopt(child)
             self._owner[child.request_id] = group
         if sampled is not None:
-            self._apply_tokens(batch, sampled)
+            self._apply_tokens(batch, sampled, runs)
         for beam in batch.ready_beams.values():
             self._advance_beam(beam)
 
@@ -297,26 +306,37 @@ class LLMEngine:
             request_id += "'"
         return request_id
 
-    def _apply_tokens(self, batch: StepBatch, sampled: SamplerOutput) -> None:
-        """Record each sampled token and finish the sequences it stops."""
+    def _apply_tokens(self, batch: StepBatch, sampled: SamplerOutput, runs: dict[str, Run]) -> None:
+        """Record each sampled token (a speculating sequence's verified run, one by one) and finish the
+        sequences they stop; a run's tokens after the one that stops it are dropped."""
         finished: dict[RequestStatus, list[str]] = {}
         for i, (group, request) in enumerate(zip(batch.groups, batch.requests, strict=True)):
             seq = group.sequence(request.request_id)
-            if seq.index == 0 and request.num_output_tokens == 1:
-                self._prompt_tokens += request.num_prompt_tokens
-            self._generation_tokens += 1
-            token = sampled.token_ids[i]
-            stop_token = self._is_stop_token(request, token)
-            # As in vLLM, the text of an eos or stop token is not output unless include_stop_str_in_output.
-            text = request.sampling_params.include_stop_str_in_output or not stop_token
-            seq.add_token(token, sampled.logprobs[i], sampled.top_logprobs[i], text=text)
-            status = self._check_stop(seq, stop_token)
+            run = runs.get(request.request_id)
+            if run is None:
+                status = self._record_token(seq, sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+            else:
+                status = record_run(seq, run, self._record_token)
             if status is not None:
                 seq.finish(status)
                 finished.setdefault(status, []).append(request.request_id)
             self._to_report[group.request_id] = group
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
+
+    def _record_token(
+        self, seq: SequenceState, token: int, logprob: float, top: dict[int, float] | None
+    ) -> RequestStatus | None:
+        """Record a token already appended to the sequence's Request; why it stops there, if it does."""
+        request = seq.request
+        if seq.index == 0 and request.num_output_tokens == 1:
+            self._prompt_tokens += request.num_prompt_tokens
+        self._generation_tokens += 1
+        stop_token = self._is_stop_token(request, token)
+        # As in vLLM, the text of an eos or stop token is not output unless include_stop_str_in_output.
+        text = request.sampling_params.include_stop_str_in_output or not stop_token
+        seq.add_token(token, logprob, top, text=text)
+        return self._check_stop(seq, stop_token)
 
     def _advance_beam(self, beam: BeamGroup) -> None:
         """One beam-search step for a group whose live beams all have their logits."""
@@ -467,6 +487,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             num_blocks=self.runner.num_blocks,
             num_free_blocks=sch.block_manager.num_free_blocks,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )
 
 

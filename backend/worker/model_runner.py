@@ -28,11 +28,13 @@ class ModelRunnerOutput:
     """Logits of one step: one fp32 row per sampling request, plus prompt rows for prompt_logprobs.
 
     `prompt_logits[request_id] = (p, logits[k, V])`: row i scores prompt token p + 1 + i.
+    `spec_logits[request_id] = logits[k, V]`: row i scores its draft token i (its sample row the token after).
     """
 
     sample_request_ids: list[str]
     sample_logits: torch.Tensor  # [R, V] fp32
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -193,7 +195,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logit_rows])
         num_sample = len(batch.sample_request_ids)
         prompt_logits = {rid: (start, logits[a:b]) for rid, (start, a, b) in batch.prompt_row_ranges.items()}
-        return ModelRunnerOutput(batch.sample_request_ids, logits[:num_sample], prompt_logits)
+        spec_logits = {rid: logits[a:b] for rid, (a, b) in batch.spec_row_ranges.items()}
+        return ModelRunnerOutput(batch.sample_request_ids, logits[:num_sample], prompt_logits, spec_logits)
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the scheduled chunks into input ids, positions and attention metadata."""
@@ -201,10 +204,15 @@ class ModelRunner:
         q_lens, ctx_lens, tables = [], [], []
         sample_ids, sample_rows = [], []
         prompt_spans: list[tuple[str, int, int, int]] = []  # (request_id, first_pos, first_row, n_rows)
+        spec_spans: list[tuple[str, int, int]] = []  # (request_id, first_row, n_drafts)
         offset = 0
         for item in scheduled:
             req, start, count = item.request, item.num_computed_tokens, item.num_scheduled_tokens
-            input_ids += req.all_token_ids[start : start + count]
+            num_spec = len(item.spec_token_ids)
+            input_ids += req.all_token_ids[start : start + count - num_spec]
+            if num_spec:
+                input_ids += item.spec_token_ids
+                spec_spans.append((req.request_id, offset, num_spec))
             q_lens.append(count)
             ctx_lens.append(start + count)
             tables.append(item.block_ids)
@@ -230,11 +238,7 @@ class ModelRunner:
             block_tables[seq_idx, positions // self.block_size].long() * self.block_size
             + positions % self.block_size
         )
-        logit_rows = list(sample_rows)
-        prompt_row_ranges = {}
-        for rid, first_pos, first_row, n_rows in prompt_spans:
-            prompt_row_ranges[rid] = (first_pos, len(logit_rows), len(logit_rows) + n_rows)
-            logit_rows += range(first_row, first_row + n_rows)
+        logit_rows, prompt_row_ranges, spec_row_ranges = _logit_rows(sample_rows, prompt_spans, spec_spans)
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev, non_blocking=True),
             block_tables=block_tables.to(dev, non_blocking=True),
@@ -250,7 +254,24 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True),
             sample_request_ids=sample_ids,
             prompt_row_ranges=prompt_row_ranges,
+            spec_row_ranges=spec_row_ranges,
         )
+
+
+def _logit_rows(
+    sample_rows: list[int], prompt_spans: list[tuple[str, int, int, int]], spec_spans: list[tuple[str, int, int]]
+) -> tuple[list[int], dict[str, tuple[int, int, int]], dict[str, tuple[int, int]]]:
+    """Hidden-state rows to compute logits for: sample rows first, then prompt-logprob and draft rows."""
+    logit_rows = list(sample_rows)
+    prompt_row_ranges = {}
+    for rid, first_pos, first_row, n_rows in prompt_spans:
+        prompt_row_ranges[rid] = (first_pos, len(logit_rows), len(logit_rows) + n_rows)
+        logit_rows += range(first_row, first_row + n_rows)
+    spec_row_ranges = {}
+    for rid, first_row, n_rows in spec_spans:
+        spec_row_ranges[rid] = (len(logit_rows), len(logit_rows) + n_rows)
+        logit_rows += range(first_row, first_row + n_rows)
+    return logit_rows, prompt_row_ranges, spec_row_ranges
 
 
 @dataclass
@@ -263,3 +284,4 @@ class _Batch:
     logit_rows: torch.Tensor  # [R + prompt rows]
     sample_request_ids: list[str]
     prompt_row_ranges: dict[str, tuple[int, int, int]]  # request_id -> (first_pos, row_start, row_end)
+    spec_row_ranges: dict[str, tuple[int, int]]  # request_id -> (row_start, row_end)
