@@ -44,7 +44,7 @@ _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num
                    "max_model_len", "max_num_waiting", "seed", "cpu_threads")
 _FLOAT_PARAMETERS = ("gpu_memory_utilization",)
 _BOOL_PARAMETERS = ("enable_prefix_caching",)
-_STRING_PARAMETERS = ("dtype", "device")
+_STRING_PARAMETERS = ("dtype", "device", "speculative_config")  # speculative_config: JSON the engine checks
 _CHOICE_PARAMETERS = {"scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS}
 
 

@@ -11,6 +11,7 @@ from pagedserve.backend.core.outputs import CompletionOutput
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.engine.speculative import ngram_lookup
+from pagedserve.backend.triton.settings import engine_arguments
 
 from tests.support.engines import cpu_engine, greedy, run_to_end
 
@@ -123,6 +124,15 @@ def test_speculation_is_off_by_default(tiny_llama_path):
     run(engine, PROMPTS, greedy(20))
     assert engine.speculator is None
     assert engine.get_stats().spec_decode_num_drafts == 0
+
+
+def test_the_config_pbtxt_parameter_reaches_the_engine_as_json(tiny_llama_path, baseline):
+    _, kwargs = engine_arguments({"speculative_config": {"string_value": '{"num_speculative_tokens": 2, '
+                                                                         '"prompt_lookup_max": 2}'}})
+    engine = cpu_engine(tiny_llama_path, block_size=4, num_blocks=128, max_model_len=256, **kwargs)
+    assert engine.speculator.config.num_speculative_tokens == 2
+    assert_same(run(engine, PROMPTS, greedy(40)), baseline)
+    assert engine_arguments({"speculative_config": {"string_value": ""}})[1] == {}
 
 
 def test_json_text_config_is_taken_as_a_dict():
