@@ -8,7 +8,7 @@ import torch
 from pagedserve.kernels.dispatch import Implementations
 from pagedserve.kernels.quant_linear import cpu, reference
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight, from_int_values, pack_int4, unpack_int4
-from pagedserve.kernels.quant_linear.quantize import int4_group_size, quantize_int4, quantize_int8
+from pagedserve.kernels.quant_linear.quantize import quantize_int4, quantize_int8
 
 
 def _load_triton() -> ModuleType:
@@ -35,7 +35,6 @@ def prepare(weight: QuantizedWeight, release: bool = True) -> int:
 __all__ = [
     "QuantizedWeight",
     "from_int_values",
-    "int4_group_size",
     "pack_int4",
     "prepare",
     "quant_linear",

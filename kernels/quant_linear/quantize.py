@@ -27,7 +27,7 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Quanti
     return from_int_values(q.to(torch.int32), scales, None, 8, group_size)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = 64, symmetric: bool = False) -> QuantizedWeight:
+def quantize_int4(weight: torch.Tensor, group_size: int = 32, symmetric: bool = False) -> QuantizedWeight:
     """int4 per group of `group_size` columns (W4A16): min/max with offsets, or symmetric about zero."""
     k = weight.shape[1]
     groups = _grouped(weight, group_size)
@@ -44,12 +44,3 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 64, symmetric: bool = 
     else:
         q = torch.round((groups - offsets[..., None]) / scales[..., None]).clamp(0, 15)
     return from_int_values(q.flatten(1)[:, :k].to(torch.int32), scales, offsets, 4, group_size)
-
-
-def int4_group_size(in_features: int, preferred: int = 64) -> int:
-    """The preferred group size when it divides in_features, else the largest of GROUP_SIZES that does
-    (whole groups let the CPU and Triton kernels serve the layer), else the preferred one."""
-    for size in (preferred, *sorted(GROUP_SIZES, reverse=True)):
-        if in_features % size == 0:
-            return size
-    return preferred

@@ -27,10 +27,10 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 NUM_PROMPTS = 24
 NEW_TOKENS = 16
 # Prompt logprobs of the quantized engine against its dequantized fp32 reference: torch's CPU kernels round
-# activations, scales and outputs to bf16 (measured max 0.046 int8, 0.045 int4 over these prompts).
+# activations, scales and outputs to bf16 (measured max 0.046 int8, 0.060 int4 over these prompts).
 LOGPROB_ATOL = 0.1
-# Measured: 18 of 24 greedy continuations identical for int8 and for int4; each other one first differs where
-# the reference's top two tokens were within 0.026 of each other (a near-tie the bf16 rounding flips).
+# Measured: 18 (int8) and 19 (int4) of 24 greedy continuations identical; each other one first differs where
+# the reference's top two tokens were within 0.061 of each other (a near-tie the bf16 rounding flips).
 MIN_IDENTICAL = NUM_PROMPTS * 2 // 3
 
 

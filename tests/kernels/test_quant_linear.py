@@ -74,13 +74,6 @@ def test_int8_per_channel_quantization_error_is_at_most_half_a_step():
     assert ql.quantize_int8(torch.zeros(2, 8)).dequantize().abs().max() == 0
 
 
-def test_int4_group_size_falls_back_to_one_that_divides_the_width():
-    assert ql.int4_group_size(576) == 64
-    assert ql.int4_group_size(576, preferred=128) == 64
-    assert ql.int4_group_size(1536, preferred=128) == 128
-    assert ql.int4_group_size(100) == 64  # no size divides: the partial last group is served by the reference
-
-
 def _bf16_emulation(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """What torch's CPU kernels compute: bf16 activations, scales and zeros, fp32 sums."""
     scales = w.scales.to(torch.bfloat16).float()
