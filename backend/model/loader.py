@@ -13,7 +13,9 @@ import torch
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.llama import LlamaForCausalLM
-from pagedserve.backend.model.quantized import prepare_quantized, quantize_projections
+from pagedserve.backend.model.quant_formats import Scheme, scheme_from_config
+from pagedserve.backend.model.quantized import QuantizedLinear, prepare_quantized, quantize_projections
+from pagedserve.kernels.quant_linear.layout import concat_rows
 from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,13 @@ _FUSED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+# Our fused projections -> the checkpoint modules stacked along their rows.
+_FUSED_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -51,15 +60,39 @@ def load_model(
         return load_gguf_model(path, dtype, device, max_position)
     path = Path(path)
     cfg = ModelArchConfig.from_pretrained(path)
+    scheme = scheme_from_config(json.loads((path / "config.json").read_text()))
+    if scheme is not None and quantization != "none":
+        raise ValueError(f"quantization {quantization!r} applies to float checkpoints; this one is already "
+                         f"quantized ({scheme.method})")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_position)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    loaded, stash = _load_tensors(model, cfg, path, scheme)
+    if scheme is not None:
+        _place_quantized(model, cfg, scheme, stash)
+    _check_complete(model, cfg, loaded)
+    quantize_projections(model, quantization)
+    prepare_quantized(model)
+    model.init_rope(dtype, device)
+    model.eval()
+    return model
+
+
+def _load_tensors(model: LlamaForCausalLM, cfg: ModelArchConfig, path: Path,
+                  scheme: Scheme | None) -> tuple[set[str], dict[str, dict[str, torch.Tensor]]]:
+    """Copy every float tensor into its parameter (or its slice of a fused one); returns the names filled and
+    the quantized projections' tensors, by checkpoint module then suffix."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    stash: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in _iter_checkpoint(path):
         if _IGNORED.search(name):
+            continue
+        if scheme is not None and scheme.owns(name):
+            module, suffix = name.rsplit(".", 1)
+            stash.setdefault(module, {})[suffix] = tensor
             continue
         target, rows = _target(name, cfg)
         if target not in params:
@@ -74,12 +107,33 @@ def load_model(
         loaded.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
     if cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")
-    _check_complete(model, cfg, loaded)
-    quantize_projections(model, quantization)
-    prepare_quantized(model)
-    model.init_rope(dtype, device)
-    model.eval()
-    return model
+    return loaded, stash
+
+
+def _place_quantized(model: LlamaForCausalLM, cfg: ModelArchConfig, scheme: Scheme,
+                     stash: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Each quantized projection (fused parts concatenated by rows) becomes a QuantizedLinear on the model's
+    device, keeping the bias already loaded."""
+    device = model.norm.weight.device
+    targets = {"lm_head": ["lm_head"]}
+    for i in range(cfg.num_layers):
+        for fused, parts in _FUSED_PARTS.items():
+            targets[f"layers.{i}.{fused}"] = [f"layers.{i}.{part}" for part in parts]
+    for target, parts in targets.items():
+        names = [next((k for k in (f"model.{p}", p) if k in stash), f"model.{p}") for p in parts]
+        if not any(name in stash for name in names):
+            continue
+        weights = [scheme.to_weight(stash.pop(name) if name in stash else {}, name) for name in names]
+        weight = weights[0] if len(weights) == 1 else concat_rows(weights)
+        parent_name, _, attr = target.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        if (weight.out_features, weight.in_features) != (old.out_features, old.in_features):
+            raise ValueError(f"quantized {target} has shape {(weight.out_features, weight.in_features)}, expected "
+                             f"{(old.out_features, old.in_features)}")
+        setattr(parent, attr, QuantizedLinear(weight.to(device), old.bias))
+    if stash:
+        raise ValueError(f"quantized checkpoint tensors have no place in {cfg.architecture}: {sorted(stash)[:3]}")
 
 
 def _target(name: str, cfg: ModelArchConfig) -> tuple[str, tuple[int, int] | None]:
