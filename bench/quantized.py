@@ -1,0 +1,118 @@
+"""Quantized weights on the default model (SmolLM2-135M-Instruct), one CPU thread, side by side in one run:
+fp32, bf16, int8 and int4 quantized at load, and the Q4_1 GGUF served natively (the quantized ones with fp32
+and with bf16 activations). For each: weight bytes, greedy
+decode output tokens/s at concurrency 1, 8 and 32, and the mean |delta logprob| against fp32 on a fixed text.
+
+    python bench/quantized.py            # 128 new tokens per stream
+    python bench/quantized.py --quick    # 32 new tokens, a smoke run
+
+llama.cpp on the same GGUF (issue 19's comparison) is not run here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+RESULTS = Path(__file__).resolve().parent / "results" / "quantized.json"
+TEXT = ("The capital of France is Paris. It lies on the Seine, and its museums hold paintings from every "
+        "century. Once upon a time there was a small model that learned to count: one, two, three, four.")
+PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle stays upright.",
+           "List five facts about the Moon.", "What is the capital of France?"]
+
+
+def variants() -> dict[str, tuple[str, dict]]:
+    """name -> (model path, from_pretrained settings)."""
+    from pagedserve.backend.worker.default_model import ensure_default_model, find_gguf
+
+    folder = ensure_default_model()
+    return {
+        "fp32": (folder, {"dtype": "float32"}),
+        "bf16": (folder, {"dtype": "bfloat16"}),
+        "int8": (folder, {"dtype": "float32", "quantization": "int8"}),
+        "int4": (folder, {"dtype": "float32", "quantization": "int4"}),
+        "gguf_q4_1": (str(find_gguf()), {"dtype": "float32"}),
+        # Activations in bf16 too: torch's packed kernels compute in bf16 anyway, and attention and norms
+        # run faster in bf16 on a CPU with AVX-512 BF16.
+        "int8_bf16": (folder, {"dtype": "bfloat16", "quantization": "int8"}),
+        "int4_bf16": (folder, {"dtype": "bfloat16", "quantization": "int4"}),
+        "gguf_q4_1_bf16": (str(find_gguf()), {"dtype": "bfloat16"}),
+    }
+
+
+def decode_tok_s(engine, concurrency: int, new_tokens: int) -> float:
+    """Output tokens/s of `concurrency` greedy streams of `new_tokens` each, all submitted at once."""
+    from pagedserve.backend.core.sampling_params import SamplingParams
+
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                                    add_generation_prompt=True, tokenize=True)
+               for i in range(concurrency)]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+
+def text_logprobs(engine) -> list[float]:
+    """Each token of TEXT's logprob given the ones before it."""
+    from pagedserve.backend.core.sampling_params import SamplingParams
+
+    ids = engine.tokenizer(TEXT)["input_ids"]
+    out = engine.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    return [row[token] for row, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+
+
+def run_variant(path: str, settings: dict, new_tokens: int, concurrencies: list[int]) -> dict:
+    """Load one variant and measure it."""
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+    from pagedserve.backend.model.quantized import weight_bytes
+
+    start = time.perf_counter()
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_threads=1, kv_cache_memory_bytes=256 << 20,
+                                       **settings)
+    row = {"load_s": round(time.perf_counter() - start, 1),
+           "weight_MiB": round(weight_bytes(engine.runner.model) / 2**20, 1)}
+    row["tok_s"] = {str(c): round(decode_tok_s(engine, c, new_tokens), 1) for c in concurrencies}
+    row["text_logprobs"] = text_logprobs(engine)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="32 new tokens per stream")
+    parser.add_argument("--only", default=None, help="comma-separated variants (default: all)")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    new_tokens = 32 if args.quick else 128
+    concurrencies = [1, 8, 32]
+    chosen = variants()
+    if args.only:
+        chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
+    report = {"machine": platform.processor() or platform.machine(), "threads": 1, "new_tokens": new_tokens,
+              "greedy": True, "variants": {}}
+    for name, (path, settings) in chosen.items():
+        row = run_variant(path, settings, new_tokens, concurrencies)
+        report["variants"][name] = row
+        print(f"{name}: {row['weight_MiB']} MiB, tok/s {row['tok_s']}", flush=True)
+    base = report["variants"].get("fp32", {}).get("text_logprobs")
+    for row in report["variants"].values():
+        lps = row.pop("text_logprobs")
+        if base:
+            row["mean_abs_dlogprob_vs_fp32"] = round(sum(abs(a - b) for a, b in zip(lps, base, strict=True))
+                                                     / len(base), 4)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["variants"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
