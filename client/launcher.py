@@ -36,6 +36,10 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_PATH_KEYS = ("model", "tokenizer")
 LLM_MODEL_NAME = "llm"
 OPENAI_MODULE = "pagedserve.client.openai"
+INSTANCE_KINDS = ("cpu", "gpu", "model")
+# The ports `serve` listens on by default (the Dockerfile and docs/deploy/ expose these), and Triton's probes.
+HTTP_PORT, GRPC_PORT, METRICS_PORT, OPENAI_PORT = 8000, 8001, 8002, 9000
+READY_PATH, LIVE_PATH, METRICS_PATH = "/v2/health/ready", "/v2/health/live", "/metrics"
 # tritonserver's --exit-timeout-secs: how long a stopping server waits for its models to unload.
 EXIT_TIMEOUT_SECONDS = 10
 
@@ -103,16 +107,48 @@ def fill_parameters(config_text: str, values: Mapping[str, str], *, strict: bool
     return config_text
 
 
+def _instance_group_span(config_text: str) -> tuple[int, int] | None:
+    """Where a config.pbtxt's `instance_group [...]` is (not one in a comment); None without one."""
+    found = re.search(r"^[ \t]*instance_group\s*\[", config_text, re.MULTILINE)
+    if found is None:
+        return None
+    depth, end = 0, found.end() - 1
+    while True:  # to the bracket closing the group list (a group's `gpus: [...]` nests one)
+        depth += {"[": 1, "]": -1}.get(config_text[end], 0)
+        end += 1
+        if depth == 0:
+            return found.start(), end
+
+
+def set_instance_group(config_text: str, count: int, kind: str | None = None) -> str:
+    """Replace a config.pbtxt's instance_group with one group of `count` instances of `kind` (KIND_CPU,
+    KIND_GPU or KIND_MODEL; None keeps the kind of the config's first group, KIND_CPU without one)."""
+    if count < 1:
+        raise ValueError(f"--instances must be at least 1, got {count}")
+    span = _instance_group_span(config_text)
+    if kind is None:
+        found = re.search(r"kind:\s*(KIND_\w+)", config_text[span[0]:span[1]]) if span else None
+        kind = found.group(1) if found else "KIND_CPU"
+    group = f"instance_group [ {{ count: {count} kind: {kind} }} ]"
+    if span is None:
+        return f"{config_text.rstrip()}\n{group}\n"
+    return config_text[:span[0]] + group + config_text[span[1]:]
+
+
 def prepare_model_repository(
-    source: Path, target: Path, model: str | None, llm_params: Mapping[str, str] | None = None
+    source: Path, target: Path, model: str | None, llm_params: Mapping[str, str] | None = None,
+    llm_instances: tuple[int, str | None] | None = None,
 ) -> Path:
-    """Copy the repository to `target`, filling the model path and the llm engine parameters."""
+    """Copy the repository to `target`, filling the model path and the llm engine parameters, and with
+    `llm_instances` = (count, kind or None) the llm model's instance_group (set_instance_group)."""
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
     paths = {key: model for key in MODEL_PATH_KEYS} if model else {}
     for config in sorted(target.glob("*/config.pbtxt")):
         text = fill_parameters(config.read_text(), paths)
         if config.parent.name == LLM_MODEL_NAME and llm_params:
             text = fill_parameters(text, llm_params, strict=True)
+        if config.parent.name == LLM_MODEL_NAME and llm_instances is not None:
+            text = set_instance_group(text, *llm_instances)
         config.write_text(text)
     return target
 
@@ -152,9 +188,9 @@ class TritonServer:
         *,
         work_dir: Path,
         host: str = "127.0.0.1",
-        http_port: int = 8000,
-        grpc_port: int = 8001,
-        metrics_port: int = 8002,
+        http_port: int = HTTP_PORT,
+        grpc_port: int = GRPC_PORT,
+        metrics_port: int = METRICS_PORT,
         log_verbose: int = 0,
         log_file: Path | None = None,
         install: TritonInstall | None = None,
@@ -181,7 +217,7 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         """Full URL of the Prometheus metrics page."""
-        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
+        return f"http://{_client_host(self.host)}:{self.metrics_port}{METRICS_PATH}"
 
     def command(self) -> list[str]:
         """The tritonserver command line."""
@@ -226,7 +262,7 @@ class TritonServer:
     def wait_ready(self, timeout: float = 600.0) -> None:
         """Block until every model is loaded; raise with the log tail if the server dies or times out."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.http_url}/v2/health/ready"
+        url = f"http://{self.http_url}{READY_PATH}"
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited before it was ready{self._log_tail()}")
@@ -324,12 +360,20 @@ def fetch_metrics(metrics_url: str, timeout: float = 10.0) -> str:
 
 
 def model_metric(metrics_text: str, name: str, model: str = LLM_MODEL_NAME) -> float:
-    """The value of the sample `name` (e.g. "vllm:kv_cache_usage_perc") labelled with `model`; 0.0 if absent."""
+    """The sample `name` (e.g. "vllm:num_requests_running") labelled with `model`, summed over the model's
+    instances (one sample each, labelled `instance`); 0.0 if absent."""
+    return sum(instance_metrics(metrics_text, name, model).values())
+
+
+def instance_metrics(metrics_text: str, name: str, model: str = LLM_MODEL_NAME) -> dict[str, float]:
+    """The sample `name` of each instance of `model`: {instance label ("" where none): value}."""
     pattern = re.compile(r"^" + re.escape(name) + r"\{([^}]*)\}\s+(\S+)$", re.MULTILINE)
+    values: dict[str, float] = {}
     for labels, value in pattern.findall(metrics_text):
         if f'model="{model}"' in labels:
-            return float(value)
-    return 0.0
+            instance = re.search(r'instance="([^"]*)"', labels)
+            values[instance.group(1) if instance else ""] = float(value)
+    return values
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -413,11 +457,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (safetensors + tokenizer); default: SmolLM2-135M-Instruct")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="quantize the model's projections at load: int8 per channel or int4 in groups")
+    parser.add_argument("--instances", type=int, default=None, metavar="N",
+                        help="llm model instances (engines; on the CPU they split the cores and the KV budget)")
+    parser.add_argument("--instance-kind", choices=INSTANCE_KINDS, default=None,
+                        help="with --instances: cpu, gpu (N per GPU, each on its own device) or model")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--openai-port", type=int, default=9000)
+    parser.add_argument("--http-port", type=int, default=HTTP_PORT)
+    parser.add_argument("--grpc-port", type=int, default=GRPC_PORT)
+    parser.add_argument("--metrics-port", type=int, default=METRICS_PORT)
+    parser.add_argument("--openai-port", type=int, default=OPENAI_PORT)
     parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible shim")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='the shim serves tool_choice "auto", reading calls with --tool-call-parser')
@@ -435,6 +483,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
+
+
+def llm_instances(args: argparse.Namespace) -> tuple[int, str | None] | None:
+    """(count, config.pbtxt kind or None to keep the config's) of --instances / --instance-kind; None: neither."""
+    if args.instances is None and args.instance_kind is None:
+        return None
+    return args.instances or 1, None if args.instance_kind is None else f"KIND_{args.instance_kind.upper()}"
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
@@ -455,7 +510,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     with tempfile.TemporaryDirectory(prefix="pagedserve-serve-") as tmp:
         work_dir = Path(tmp)
-        repository = prepare_model_repository(args.model_repository, work_dir / "models", model, params)
+        repository = prepare_model_repository(args.model_repository, work_dir / "models", model, params,
+                                              llm_instances(args))
         server = TritonServer(
             repository,
             work_dir=work_dir,

@@ -13,12 +13,19 @@ import sys
 import threading
 import time
 
+import torch
 import triton_python_backend_utils as pb_utils
 from pagedserve.backend.core.errors import ShuttingDownError
 from pagedserve.backend.triton.cancel_watcher import CancelWatcher
 from pagedserve.backend.triton.encoding import OutputEncoder
 from pagedserve.backend.triton.engine_loop import SHUTTING_DOWN, EngineLoop
 from pagedserve.backend.triton.inputs import parse_llm_request
+from pagedserve.backend.triton.instances import (
+    Instance,
+    instance_device,
+    instance_engine_kwargs,
+    machine_cores,
+)
 from pagedserve.backend.triton.messages import InFlight, Stop
 from pagedserve.backend.triton.metrics import EngineMetrics
 from pagedserve.backend.triton.responses import FINAL, Outbox, ResponseThread
@@ -52,12 +59,13 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the llm model needs `model_transaction_policy { decoupled: true }`")
         parameters = config.get("parameters", {})
-        self._model_path, self._engine_kwargs = engine_arguments(parameters)
+        instance = Instance.from_args(args, config)
+        self._model_path, self._engine_kwargs = self._instance_arguments(parameters, instance)
         settings = ModelSettings.from_parameters(parameters)
         self._ids = itertools.count()
         self._finalizing = False
         self._outbox = Outbox(settings.response_threads)
-        metrics = EngineMetrics(args["model_name"], args["model_version"])
+        self._metrics = metrics = EngineMetrics(args["model_name"], args["model_version"], instance.name)
         self._responders = [ResponseThread(shard, self._outbox, metrics)
                             for shard in range(settings.response_threads)]
         self._loop: EngineLoop | None = None
@@ -76,8 +84,20 @@ class TritonPythonModel:
             self._outbox.stop()
             for responder in self._responders:
                 responder.thread.join()
+            self._metrics.close()
             raise pb_utils.TritonModelException(f"the pagedserve engine failed to start: {self._startup_error!r}")
         self._watcher.thread.start()
+
+    @staticmethod
+    def _instance_arguments(parameters: dict, instance: Instance) -> tuple[str, dict]:
+        """(model path, engine kwargs) of this instance: its device, its share of the cores and KV budget."""
+        model_path, kwargs = engine_arguments(parameters)
+        device = instance_device(instance, kwargs.get("device", "auto"), torch.cuda.is_available())
+        kwargs = instance_engine_kwargs(kwargs, instance, device, machine_cores())
+        shared = {key: kwargs[key] for key in ("cpu_threads", "num_blocks", "kv_cache_memory_bytes") if key in kwargs}
+        pb_utils.Logger.log_info(f"pagedserve: instance {instance.name} ({instance.kind}, one of {instance.peers} "
+                                 f"on its device) runs on {device} {shared}")
+        return model_path, kwargs
 
     def execute(self, requests: list) -> None:
         """Validate each request and hand it to the engine loop; responses come from the response threads."""
@@ -105,10 +125,16 @@ class TritonPythonModel:
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_SECONDS
         for responder in self._responders:
             responder.thread.join(max(0.0, deadline - time.monotonic()))
+        if not any(responder.thread.is_alive() for responder in self._responders):
+            self._metrics.close()
 
     def _engine_main(self, settings: ModelSettings) -> None:
         """Load the engine, report back to initialize(), then run the loop until Stop."""
         try:
+            device = torch.device(self._engine_kwargs["device"])
+            if device.type == "cuda" and device.index is not None:
+                # Triton kernels launch on the thread's current device, not on their tensors' device.
+                torch.cuda.set_device(device)
             engine = _load_engine(self._model_path, self._engine_kwargs)
             loop = EngineLoop(engine, settings, self._outbox, self._watcher.watch)
             self._watcher.engine_inbox = loop.inbox

@@ -37,14 +37,16 @@ _LOCK = threading.Lock()
 
 
 class EngineMetrics:
-    """Gauges, counters and latency histograms of one llm model instance.
+    """Gauges, counters and latency histograms of one llm model instance, labelled with its name.
 
+    Each instance is its own stub process with its own engine: without the `instance` label two instances
+    would set one gauge in turn (and the first to unload would delete it). Prometheus sums the counters.
     The response threads call it (`update` from one of them only); counters follow the engine's cumulative
     stats. Every change is a round trip to the server that holds the GIL, so unchanged values are not resent.
     """
 
-    def __init__(self, model_name: str, model_version: str):
-        labels = {"model": model_name, "version": model_version}
+    def __init__(self, model_name: str, model_version: str, instance_name: str):
+        labels = {"model": model_name, "version": model_version, "instance": instance_name}
         self._families = []
         self._counters: dict[str, Any] = {}
         self._gauges: dict[str, Any] = {}
@@ -67,6 +69,16 @@ class EngineMetrics:
                                          description="Engine steps that raised; their requests ended with an error.")
         self._families.append(failures)
         self._step_failures = failures.Metric(labels=labels)
+
+    def close(self) -> None:
+        """Delete the metrics now, while the stub still talks to the server: left to the interpreter's exit,
+        their destructors wrote to the stub's freed shared memory and crashed it (tritonserver 2.51)."""
+        with _LOCK:
+            self._counters.clear()
+            self._gauges.clear()
+            self._histograms.clear()
+            self._step_failures = None
+            self._families.clear()
 
     def update(self, stats: Any) -> None:
         """Set the gauges and advance the counters from an EngineStats snapshot."""

@@ -20,6 +20,7 @@ from pagedserve.client.launcher import (
     TritonServer,
     fetch_metrics,
     free_loopback_ports,
+    instance_metrics,
     model_metric,
     openai_shim_running,
     prepare_model_repository,
@@ -53,8 +54,13 @@ class RunningTriton:
         return fetch_metrics(self.metrics_url)
 
     def metric(self, name: str, model: str = "llm") -> float:
-        """The value of the sample `name` (e.g. "vllm:kv_cache_usage_perc") for `model`; 0.0 if absent."""
+        """The sample `name` (e.g. "vllm:kv_cache_usage_perc") of `model`, summed over its instances; 0.0 if
+        absent."""
         return model_metric(self.metrics_text(), name, model)
+
+    def instance_metrics(self, name: str, model: str = "llm") -> dict[str, float]:
+        """The sample `name` of each instance of `model`: {instance name: value}."""
+        return instance_metrics(self.metrics_text(), name, model)
 
     def wait_idle(self, timeout: float = IDLE_TIMEOUT_SECONDS) -> None:
         """Until the engine holds no request and no KV block; fails if that never happens (a leak)."""
@@ -109,14 +115,16 @@ class RunningTriton:
 
 @contextlib.contextmanager
 def triton_running(model_path: Path, work_dir: Path, params: dict[str, str], *,
-                   env: dict[str, str] | None = None, llm_only: bool = False) -> Iterator[RunningTriton]:
+                   env: dict[str, str] | None = None, llm_only: bool = False,
+                   instances: int | None = None) -> Iterator[RunningTriton]:
     """Start tritonserver with the pagedserve repository and `params` for the llm model on free loopback
     ports, wait until it is ready, and stop it on leaving the block. `env` is set for the server only.
 
-    `llm_only` leaves the ensemble and its tokenizer models out (two Python stubs fewer to start).
+    `llm_only` leaves the ensemble and its tokenizer models out (two Python stubs fewer to start);
+    `instances` sets the llm model's instance_group count (its kind kept, KIND_CPU).
     """
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work_dir / "models", str(model_path),
-                                          params)
+                                          params, None if instances is None else (instances, None))
     if llm_only:
         for name in ("ensemble", "preprocessing", "postprocessing"):
             shutil.rmtree(repository / name)
