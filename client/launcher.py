@@ -457,6 +457,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (safetensors + tokenizer); default: SmolLM2-135M-Instruct")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="quantize the model's projections at load: int8 per channel or int4 in groups")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 3}')
     parser.add_argument("--instances", type=int, default=None, metavar="N",
                         help="llm model instances (engines; on the CPU they split the cores and the KV budget)")
     parser.add_argument("--instance-kind", choices=INSTANCE_KINDS, default=None,
@@ -501,6 +503,8 @@ def run(args: argparse.Namespace) -> int:
     params = _parse_params(args.param)
     if args.quantization is not None:
         params["quantization"] = args.quantization
+    if args.speculative_config is not None:
+        params["speculative_config"] = args.speculative_config  # checked by the engine at load
     model = args.model
     if model is None:
         from pagedserve.backend.worker.default_model import ensure_default_model

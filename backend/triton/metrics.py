@@ -17,6 +17,9 @@ _COUNTERS = {
     "num_preemptions": ("vllm:num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks."),
     "prompt_tokens": ("vllm:prompt_tokens_total", "Prompt tokens processed."),
     "generation_tokens": ("vllm:generation_tokens_total", "Tokens generated."),
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts_total", "Speculative draft runs verified."),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
 }
 _GAUGES = {
     "num_running": ("vllm:num_requests_running", "Requests in the running batch."),
