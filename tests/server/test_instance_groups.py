@@ -209,11 +209,21 @@ def test_each_instance_reports_its_own_running_requests_under_its_label(two_inst
     running = two_instances
     streams = [running.open_stream("llm", {"text_input": f"Long story {i}:", "stream": True,
                                            "sampling_parameters": LONG}) for i in range(NUM_LONG)]
+    seen: dict[str, float] = {}
+    totals: list[float] = []
+
+    def both_seen_and_all_counted() -> bool:
+        # Polled, not at one instant: the streams may reach the two engines (and end) at different times.
+        gauges = running.instance_metrics("vllm:num_requests_running")
+        for name, value in gauges.items():
+            seen[name] = max(seen.get(name, 0.0), value)
+        totals.append(sum(gauges.values()))
+        return len(seen) == INSTANCES and min(seen.values()) > 0 and max(totals) == NUM_LONG
+
     try:
         # Without the label the two engines would overwrite one gauge; with it both show, adding up to all.
-        _until(lambda: min(running.instance_metrics("vllm:num_requests_running").values()) > 0
-               and running.metric("vllm:num_requests_running") == NUM_LONG,
-               lambda: f"{running.instance_metrics('vllm:num_requests_running')}; {_log(running)[-3000:]}")
+        _until(both_seen_and_all_counted, lambda: f"peaks {seen}, totals up to {max(totals, default=0)}; "
+                                                  f"{_log(running)[-3000:]}")
     finally:
         for stream in streams:
             stream.close(cancel=True)
