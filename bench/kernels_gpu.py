@@ -179,9 +179,34 @@ def _quant_linear_checks(device: torch.device, dry: bool) -> list[dict]:
     return results
 
 
+def _bitmask_checks(device: torch.device, dry: bool) -> list[dict]:
+    """The structured-output grammar mask on fp32 logits, 32 of 64 rows, against the torch reference, timed."""
+    from pagedserve.kernels.bitmask import reference
+    from pagedserve.kernels.bitmask import triton as bitmask_triton
+
+    rows_total, vocab = (64, 151936) if not dry else (4, 100)
+    logits = torch.randn(rows_total, vocab, device=device)
+    rows = torch.arange(0, rows_total, 2, device=device)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows.numel(), (vocab + 31) // 32), dtype=torch.int64,
+                            device=device).to(torch.int32)
+    want, got = logits.clone(), logits.clone()
+    reference.apply_token_bitmask(want, bitmask, rows)
+    bitmask_triton.apply_token_bitmask(got, bitmask, rows)
+    # Masked entries are -inf on both sides (their difference is NaN), so the check is equality.
+    name = f"apply_token_bitmask R={rows.numel()} V={vocab}"
+    res = {"name": name, "ok": bool(torch.equal(got, want)), "max_abs_err": 0.0, "atol": 0, "rtol": 0}
+    log(f"  {'PASS' if res['ok'] else 'FAIL'} {name}")
+    reps = 3 if dry else 50
+    res["triton_ms"] = round(bench_ms(lambda: bitmask_triton.apply_token_bitmask(logits, bitmask, rows),
+                                      device, 2, reps), 4)
+    log(f"    {res['triton_ms']} ms")
+    return [res]
+
+
 def gpu_correctness(device: torch.device, dry: bool) -> list[dict]:
     """Every Triton kernel against its torch reference at serving sizes (tiny sizes in a dry run)."""
-    return _attention_checks(device, dry) + _row_checks(device, dry) + _quant_linear_checks(device, dry)
+    return (_attention_checks(device, dry) + _row_checks(device, dry) + _quant_linear_checks(device, dry)
+            + _bitmask_checks(device, dry))
 
 
 def gpu_decode_bandwidth(device: torch.device, dry: bool, peak_gbps: float) -> list[dict]:
