@@ -44,6 +44,7 @@ INSTANCE_KINDS = ("cpu", "gpu", "model")
 # The ports `serve` listens on by default (the Dockerfile and docs/deploy/ expose these), and Triton's probes.
 HTTP_PORT, GRPC_PORT, METRICS_PORT, OPENAI_PORT = 8000, 8001, 8002, 9000
 READY_PATH, LIVE_PATH, METRICS_PATH = "/v2/health/ready", "/v2/health/live", "/metrics"
+TRITON_READY_URL_ENV = "PAGEDSERVE_TRITON_READY_URL"  # the same as backend/triton/settings.py's HEALTH_URL_ENV
 # tritonserver's --exit-timeout-secs: how long a stopping server waits for its models to unload.
 EXIT_TIMEOUT_SECONDS = 10
 
@@ -191,9 +192,11 @@ class TritonServer:
         if self.log_file is not None:
             self._log_handle = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
             output = self._log_handle
+        # The llm model's cancel watcher sees a stopping server here (backend/triton/settings.py HEALTH_URL_ENV).
+        env = {**server_env(self.install), TRITON_READY_URL_ENV: f"http://{self.http_url}{READY_PATH}"}
         self.process = subprocess.Popen(
             self.command(),
-            env=server_env(self.install),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=output,
             stderr=subprocess.STDOUT if output else None,

@@ -4,9 +4,12 @@ the server process, made here so the engine thread never waits on them."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 
 import triton_python_backend_utils as pb_utils
@@ -15,8 +18,11 @@ from pagedserve.backend.triton.settings import (
     CANCEL_POLL_MAX_STEP_SECONDS,
     CANCEL_POLL_SECONDS,
     CANCEL_POLLS_PER_SECOND,
+    HEALTH_URL_ENV,
     READY_POLL_SECONDS,
 )
+
+READY_CHECK_TIMEOUT_SECONDS = 2.0  # a slow answer counts as ready: no false alarm
 
 
 class CancelWatcher:
@@ -34,6 +40,7 @@ class CancelWatcher:
         self.engine_inbox = engine_inbox
         self._step_seconds = step_seconds
         self._unloading_since: float | None = None
+        self._ready_url = os.environ.get(HEALTH_URL_ENV, "")
         self._next_ready_poll = 0.0
         self.thread = threading.Thread(target=self._run, name="pagedserve-cancel", daemon=True)
 
@@ -106,8 +113,11 @@ class CancelWatcher:
             self.engine_inbox.put(Unloading())
 
     def _model_ready(self) -> bool:
-        """Whether Triton still reports this model ready. A stopping server answers the check with a
-        "Server not ready" error; any other failure counts as ready (no false alarm), logged."""
+        """Whether Triton still reports this model ready. A stopping server is seen on its HTTP readiness
+        URL when the launcher gave one, before is_model_ready is asked; without it, is_model_ready answers
+        a stopping server with a "Server not ready" error. Any other failure counts as ready, logged."""
+        if self._ready_url and not _server_ready(self._ready_url):
+            return False
         try:
             return bool(pb_utils.is_model_ready(self._model_name, self._model_version))
         except Exception as error:  # noqa: BLE001
@@ -115,3 +125,14 @@ class CancelWatcher:
                 return False
             pb_utils.Logger.log_warn(f"pagedserve: is_model_ready failed: {error!r}")
             return True
+
+
+def _server_ready(url: str) -> bool:
+    """tritonserver's /v2/health/ready: False once it answers otherwise (a stopping server) or is gone."""
+    try:
+        with urllib.request.urlopen(url, timeout=READY_CHECK_TIMEOUT_SECONDS) as answer:
+            return answer.status == 200
+    except urllib.error.HTTPError:
+        return False
+    except (urllib.error.URLError, OSError) as error:
+        return not isinstance(getattr(error, "reason", error), ConnectionRefusedError)

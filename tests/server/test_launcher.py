@@ -185,3 +185,10 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
     assert _get(f"http://127.0.0.1:{http_port}/v2/health/live") == 0
     assert _get(f"http://127.0.0.1:{openai_port}/v1/models") == 0
     assert _processes_mentioning(str(work_dir)) == []
+
+
+def test_the_ready_url_the_launcher_sets_is_the_one_the_llm_model_reads():
+    from pagedserve.backend.triton.settings import HEALTH_URL_ENV
+    from pagedserve.client.launcher import TRITON_READY_URL_ENV
+
+    assert TRITON_READY_URL_ENV == HEALTH_URL_ENV
