@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.errors import InvalidRequestError, json_object
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -150,14 +149,7 @@ class SpeculativeConfig:
         """None (speculation off), a dict with vLLM's keys, or its JSON text (a Triton parameter, a CLI flag)."""
         if value is None or value == "" or value == {}:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"speculative_config is not valid JSON: {exc}", "speculative_config") from exc
-        if not isinstance(value, dict):
-            raise InvalidRequestError(
-                f"speculative_config must be a JSON object, got {type(value).__name__}", "speculative_config")
+        value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
         if unknown:
             raise InvalidRequestError(

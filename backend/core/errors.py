@@ -8,6 +8,7 @@ reading the human words before it, which stay as Triton's own clients know them.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -122,3 +123,15 @@ def from_wire(text: str) -> WireError | None:
         return None
     field = unquote(match["field"]) if match["field"] else None
     return WireError(kind, text[: match.start()], field)
+
+
+def json_object(value: object, name: str) -> dict:
+    """`value` as a JSON object: a dict as it is, a str parsed; anything else refused naming `name`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise InvalidRequestError(f"{name} is not valid JSON: {error}", name) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{name} must be a JSON object, got {type(value).__name__}", name)
+    return value

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.errors import InvalidRequestError, json_object
 from pagedserve.backend.core.request import check_priority
 from pagedserve.backend.core.sampling_params import SamplingParams
 
@@ -142,15 +142,7 @@ def parse_llm_request(request: Any) -> LLMRequestInputs:
     settings = _sampling_settings(kserve)
     raw_json = string_input(inputs, "sampling_parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     if raw_json:
-        try:
-            from_json = json.loads(raw_json)
-        except json.JSONDecodeError as error:
-            raise InvalidRequestError(f"sampling_parameters is not valid JSON: {error}", "sampling_parameters") from None
-        if not isinstance(from_json, dict):
-            raise InvalidRequestError(
-                f"sampling_parameters must be a JSON object, got {type(from_json).__name__}", "sampling_parameters"
-            )
-        settings.update(from_json)
+        settings.update(json_object(raw_json, "sampling_parameters"))
     priority = _priority(kserve, settings)
     params = SamplingParams.from_dict(settings)
     flags = {name: _bool_input(inputs, name) for name in _RETURN_FLAGS}

@@ -245,11 +245,24 @@ def _typed(body: dict, name: str, kinds: tuple[type, ...]) -> Any:
     return value
 
 
-def _check_known_fields(body: dict, allowed: set[str]) -> None:
-    """Unknown fields are refused by name; known ones pagedserve cannot honour are refused too."""
+def refuse_unknown_fields(body: dict, allowed: set[str]) -> None:
+    """A field not in `allowed` is refused by name, as OpenAI refuses it."""
     for key in body:
         if key not in allowed:
             raise bad_request(f"Unrecognized request argument supplied: {key}", key)
+
+
+def model_field(body: dict) -> str:
+    """The body's `model`, a non-empty string."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("you must provide a model parameter (a string)", "model")
+    return model
+
+
+def _check_known_fields(body: dict, allowed: set[str]) -> None:
+    """Unknown fields are refused by name; known ones pagedserve cannot honour are refused too."""
+    refuse_unknown_fields(body, allowed)
     _refuse_unsupported(body)
 
 
@@ -270,9 +283,7 @@ def _refuse_unsupported(body: dict) -> None:
 
 def _common(body: dict) -> tuple[str, dict[str, Any], bool, StreamOptions]:
     """Model name, sampling dict, stream and its options, shared by completions and chat."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("you must provide a model parameter (a string)", "model")
+    model = model_field(body)
     sampling: dict[str, Any] = {}
     for name, kinds in SAMPLING_FIELDS.items():
         value = _typed(body, name, kinds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedserve.client.openai.errors import bad_request
-from pagedserve.client.openai.protocol import MAX_TOKEN_ID, parse_messages
+from pagedserve.client.openai.protocol import MAX_TOKEN_ID, model_field, parse_messages, refuse_unknown_fields
 from pagedserve.client.openai.shim import OpenAIShim
 from pagedserve.client.openai.tools import parse_tool_choice
 
@@ -16,8 +16,8 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "tools", "add_special_tokens",
 async def tokenize(shim: OpenAIShim, body: dict) -> dict:
     """{count, max_model_len, tokens[, token_strs]} of a prompt, or of messages (and tools) rendered by the
     template."""
-    _known(body, TOKENIZE_FIELDS)
-    shim.check_model(_model(body))
+    refuse_unknown_fields(body, TOKENIZE_FIELDS)
+    shim.check_model(model_field(body))
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     if "prompt" in body:
@@ -41,8 +41,8 @@ async def tokenize(shim: OpenAIShim, body: dict) -> dict:
 
 async def detokenize(shim: OpenAIShim, body: dict) -> dict:
     """{prompt} of token ids."""
-    _known(body, {"model", "tokens"})
-    shim.check_model(_model(body))
+    refuse_unknown_fields(body, {"model", "tokens"})
+    shim.check_model(model_field(body))
     tokens = body.get("tokens")
     if (not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
             or not all(0 <= t <= MAX_TOKEN_ID for t in tokens)):
@@ -51,19 +51,6 @@ async def detokenize(shim: OpenAIShim, body: dict) -> dict:
     if any(t >= tokenizer.get_vocab_size() for t in tokens):
         raise bad_request(f"'tokens' ids must be < the vocabulary size ({tokenizer.get_vocab_size()})", "tokens")
     return {"prompt": tokenizer.decode(tokens, skip_special_tokens=False)}
-
-
-def _known(body: dict, allowed: set[str]) -> None:
-    for key in body:
-        if key not in allowed:
-            raise bad_request(f"Unrecognized request argument supplied: {key}", key)
-
-
-def _model(body: dict) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("you must provide a model parameter (a string)", "model")
-    return model
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
