@@ -103,8 +103,7 @@ class StructuredOutputs:
         except BaseException:
             with self._lock:  # an unexpected failure is not remembered: the next request tries again
                 key = json.dumps(spec, sort_keys=True)
-                if key in self._cache and self._cache[key].done() is False:
-                    del self._cache[key]
+                self._cache.pop(key, None)
             raise
 
     def _compile(self, spec: dict) -> Any:
