@@ -6,6 +6,7 @@ Each entry picks its implementation per call (`dispatch.backend_for`); the engin
 from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.cache import copy_blocks, reshape_and_cache
+from pagedserve.kernels.lora import lora_expand_add, lora_shrink
 from pagedserve.kernels.norm import rms_norm
 from pagedserve.kernels.rope import compute_cos_sin_cache, rotary_embedding, rotary_embedding_and_cache
 from pagedserve.kernels.sampling import logsumexp, sample_from_logits, to_float32
@@ -14,6 +15,8 @@ __all__ = [
     "compute_cos_sin_cache",
     "copy_blocks",
     "logsumexp",
+    "lora_expand_add",
+    "lora_shrink",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
