@@ -67,6 +67,11 @@ def prepare_model_repository(
     `llm_instances` = (count, kind or None) the llm model's instance_group (set_instance_group)."""
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
     paths = {key: model for key in MODEL_PATH_KEYS} if model else {}
+    if model and model.endswith(".gguf"):
+        from pagedserve.backend.worker.gguf_tokenizer import tokenizer_dir
+
+        # The llm model serves the file itself; the tokenizer steps read a folder made from its metadata.
+        paths["tokenizer"] = str(tokenizer_dir(model))
     for config in sorted(target.glob("*/config.pbtxt")):
         text = fill_parameters(config.read_text(), paths)
         if config.parent.name == LLM_MODEL_NAME and llm_params:

@@ -70,7 +70,13 @@ class OpenAIShim:
             if not path:
                 raise APIError(500, "the llm model's config has no model_path parameter; start the shim with --model")
             self.settings.model_path = path
-        return Path(self.settings.model_path)
+        path = Path(self.settings.model_path)
+        if path.suffix == ".gguf":
+            from pagedserve.backend.worker.gguf_tokenizer import tokenizer_dir
+
+            # A GGUF file's tokenizer and chat template, as a folder made once from its metadata.
+            return tokenizer_dir(path)
+        return path
 
     async def chat_template(self) -> ChatTemplate:
         """The model folder's chat template, read once."""
