@@ -67,11 +67,8 @@ def prepare_model_repository(
     `llm_instances` = (count, kind or None) the llm model's instance_group (set_instance_group)."""
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
     paths = {key: model for key in MODEL_PATH_KEYS} if model else {}
-    if model and model.endswith(".gguf"):
-        from pagedserve.backend.worker.gguf_tokenizer import tokenizer_dir
-
-        # The llm model serves the file itself; the tokenizer steps read a folder made from its metadata.
-        paths["tokenizer"] = str(tokenizer_dir(model))
+    if model:
+        paths["tokenizer"] = str(tokenizer_folder(model))
     for config in sorted(target.glob("*/config.pbtxt")):
         text = fill_parameters(config.read_text(), paths)
         if config.parent.name == LLM_MODEL_NAME and llm_params:
@@ -80,3 +77,13 @@ def prepare_model_repository(
             text = set_instance_group(text, *llm_instances)
         config.write_text(text)
     return target
+
+
+def tokenizer_folder(model: str | Path) -> Path:
+    """The folder a model's tokenizer and chat template are read from: the model folder itself, or for a .gguf
+    file (which the llm model serves as it is) a folder made once from the file's metadata."""
+    if str(model).endswith(".gguf"):
+        from pagedserve.backend.worker.gguf_tokenizer import tokenizer_dir
+
+        return tokenizer_dir(model)
+    return Path(model)

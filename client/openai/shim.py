@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.client.model_repository import tokenizer_folder
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError, bad_request
 from pagedserve.client.openai.protocol import GenerationRequest
@@ -70,13 +71,7 @@ class OpenAIShim:
             if not path:
                 raise APIError(500, "the llm model's config has no model_path parameter; start the shim with --model")
             self.settings.model_path = path
-        path = Path(self.settings.model_path)
-        if path.suffix == ".gguf":
-            from pagedserve.backend.worker.gguf_tokenizer import tokenizer_dir
-
-            # A GGUF file's tokenizer and chat template, as a folder made once from its metadata.
-            return tokenizer_dir(path)
-        return path
+        return tokenizer_folder(self.settings.model_path)
 
     async def chat_template(self) -> ChatTemplate:
         """The model folder's chat template, read once."""
