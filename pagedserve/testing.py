@@ -242,3 +242,35 @@ def copy_with_tool_template(source: str | Path, target: str | Path) -> Path:
     config["chat_template"] = TOOL_CHAT_TEMPLATE
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return target
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(
+    base_dir: str | Path,
+    out_dir: str | Path,
+    rank: int = 8,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    seed: int = 0,
+    use_rslora: bool = False,
+    alpha: int = 16,
+) -> Path:
+    """Save a PEFT LoRA adapter of the model in `base_dir` to `out_dir` (adapter_config.json and
+    adapter_model.safetensors), its B matrices random (PEFT starts them at zero) so that it changes the output."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                             use_rslora=use_rslora, task_type="CAUSAL_LM")
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
