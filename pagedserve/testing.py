@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama-family models with a real byte-level BPE tokenizer, for tests and benches."""
+"""Tiny random-weight models of each supported family with a real byte-level BPE tokenizer, for tests and benches."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ _ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
@@ -71,11 +73,14 @@ _ARCH_EXTRAS: dict[str, dict[str, Any]] = {
     "llama": {"attention_bias": False},
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False},
+    "qwen3": {"use_sliding_window": False, "head_dim": 32},  # head_dim != hidden_size / num_heads
+    "phi3": {"sliding_window": None},
 }
 
 
-def _widen_init(model: Any) -> None:
-    """A wider init than the default 0.02 keeps greedy argmax margins large, so fp32 parity is stable."""
+def _widen_init(model: Any, random_norms: bool = False) -> None:
+    """A wider init than the default 0.02 keeps greedy argmax margins large, so fp32 parity is stable;
+    `random_norms` draws the norm weights too, so a norm loaded into the wrong place changes the output."""
     import torch
 
     with torch.no_grad():
@@ -84,6 +89,8 @@ def _widen_init(model: Any) -> None:
                 param.normal_(0.0, 0.5)
             elif param.dim() > 1:
                 param.normal_(0.0, 0.2 if "embed" in name or "lm_head" in name else 0.1)
+            elif random_norms and "norm" in name:
+                param.uniform_(0.5, 1.5)
 
 
 def make_tiny_model(
@@ -102,11 +109,15 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     max_shard_size: str | None = None,
+    config_extras: dict[str, Any] | None = None,
+    random_norms: bool = False,
 ) -> Path:
     """Save a tiny random-weight `arch` model (safetensors) plus tokenizer and generation config to `path`.
 
     `rope_scaling` takes the config.json form, e.g. {"rope_type": "llama3", "factor": 8.0, ...}.
     `max_shard_size` (e.g. "20KB") writes a sharded checkpoint with an index file.
+    `config_extras` are more (or overriding) keyword arguments of the transformers config class, e.g. a family's
+    own keys; `random_norms` draws the norm weights instead of leaving them at one.
     """
     import torch
     import transformers
@@ -137,11 +148,11 @@ def make_tiny_model(
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=eot_id,
-        **_ARCH_EXTRAS.get(arch, {}),
+        **{**_ARCH_EXTRAS.get(arch, {}), **(config_extras or {})},
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls_name)(config)
-    _widen_init(model)
+    _widen_init(model, random_norms)
     model.to(getattr(torch, dtype))
     _save(model, path, bos_id, eos_id, eot_id, max_shard_size)
     return path

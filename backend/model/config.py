@@ -5,21 +5,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+from pagedserve.backend.model.registry import SUPPORTED_ARCHITECTURES, UnsupportedModelError, family_for
 
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or one of its features is outside what pagedserve runs."""
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelArchConfig", "UnsupportedModelError"]
 
 
 @dataclass(slots=True)
 class ModelArchConfig:
-    """Shapes and numerics of a Llama-family decoder."""
+    """Shapes and numerics of a Llama-family decoder. A family with keys of its own subclasses it (more fields,
+    `_fields` reading them, its own HIDDEN_ACTS / ROPE_TYPES); `from_dict` builds the family's class."""
+
+    HIDDEN_ACTS: ClassVar[tuple[str, ...]] = ("silu",)
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3", "linear")
 
     architecture: str
+    hidden_act: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,27 +44,31 @@ class ModelArchConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelArchConfig:
-        """Parse a config.json dict; unsupported architectures and rope types raise UnsupportedModelError."""
+        """Parse a config.json dict into its family's config class; unsupported architectures, activations and
+        rope types raise UnsupportedModelError."""
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else str(raw.get("model_type", "<missing>"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        config_cls = family_for(arch).config_cls
+        return config_cls(**config_cls._fields(arch, raw))
+
+    @classmethod
+    def _fields(cls, arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+        """The constructor's keyword arguments read from `raw`; a family's override adds its own."""
         act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: silu")
+        if act not in cls.HIDDEN_ACTS:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {', '.join(cls.HIDDEN_ACTS)}")
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
-        rope_theta, rope_scaling = _rope(raw)
+        rope_theta, rope_scaling = _rope(raw, cls.ROPE_TYPES)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
         sliding = raw.get("sliding_window")
         if is_qwen2 and not raw.get("use_sliding_window", False):
             sliding = None
         eos = raw.get("eos_token_id")
-        return cls(
+        return dict(
             architecture=arch,
+            hidden_act=act,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
@@ -97,7 +103,7 @@ class ModelArchConfig:
         return cls.from_dict(json.loads(config_file.read_text()))
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict | None]:
+def _rope(raw: dict[str, Any], supported: tuple[str, ...]) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from transformers 5 `rope_parameters` or 4.x top-level keys."""
     params = raw.get("rope_parameters")
     if params is None:
@@ -106,10 +112,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict | None]:
     params = dict(params)
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
-        )
+    if rope_type not in supported:
+        raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(supported)}")
     if rope_type == "default":
         return theta, None
     return theta, {"rope_type": rope_type, **params}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.model.family import ModelFamily
 from torch import nn
 
 from pagedserve import kernels
@@ -28,8 +29,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Self-attention with fused QKV projection, rotary embedding and paged K/V."""
 
-    def __init__(self, cfg: ModelArchConfig):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -47,14 +49,33 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Project to Q/K/V, rotate, write K/V into the paged cache, attend, project out."""
         num_tokens = hidden.shape[0]
+        q, k, v = self.project_qkv(hidden)
+        q = self.rotate_and_cache(positions, q, k, v, kv_cache, cos_sin_cache, meta)
+        out = self.attend(q, kv_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q [T, Hq, D], K and V [T, Hkv, D] (views into the fused projection's output)."""
+        num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """Rotate Q and K, write the rotated K and V into their slots; returns the rotated Q."""
         key_cache, value_cache = kv_cache
-        q = kernels.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
-                                               meta.slot_mapping)
-        out = kernels.paged_attention(
+        return kernels.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
+                                                  meta.slot_mapping)
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:  # -> [T, Hq, D]
+        """Causal attention of Q over each sequence's cached K/V."""
+        key_cache, value_cache = kv_cache
+        return kernels.paged_attention(
             q,
             key_cache,
             value_cache,
@@ -65,7 +86,6 @@ class Attention(nn.Module):
             meta.max_seqlen_q,
             meta.max_seqlen_k,
         )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
@@ -82,14 +102,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then pre-norm MLP, the residual carried through fused add-norms."""
+    """Pre-norm attention then pre-norm MLP, the residual carried through fused add-norms. A family swaps a part
+    by setting attention_cls, mlp_cls or norm_cls on a subclass."""
 
-    def __init__(self, cfg: ModelArchConfig):
+    attention_cls: type[Attention] = Attention
+    mlp_cls: type[nn.Module] = MLP
+    norm_cls: type[RMSNorm] = RMSNorm
+
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_cls(cfg, layer_idx)
+        self.mlp = self.mlp_cls(cfg)
+        self.input_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -112,14 +137,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder plus lm_head; Mistral and Qwen2 differ only in config (biases, window)."""
+    """The whole decoder plus lm_head; Mistral and Qwen2 differ only in config (biases, window). A family sets
+    layer_cls / norm_cls on a subclass, or overrides embed / init_rope."""
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
 
     def __init__(self, cfg: ModelArchConfig, max_position: int):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -141,13 +170,21 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # -> final hidden states [T, H]
         """Run every layer over the step's flat tokens, writing their K/V into the cache."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        """The input embeddings of the step's tokens."""
+        return self.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] fp32
         """Project selected hidden rows onto the vocabulary, in fp32."""
         return kernels.to_float32(self.lm_head(hidden))
+
+
+FAMILIES = {arch: ModelFamily(ModelArchConfig, LlamaForCausalLM)
+            for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")}

@@ -4,39 +4,25 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.model.family import ModelFamily, Selector
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.llama import LlamaForCausalLM
 from pagedserve.backend.model.quant_formats import Scheme, scheme_from_config
 from pagedserve.backend.model.quantized import QuantizedLinear, prepare_quantized, quantize_projections
+from pagedserve.backend.model.registry import family_for
 from pagedserve.kernels.quant_linear.layout import concat_rows
 from safetensors import safe_open
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Checkpoint projections that land in a slice of one of our fused parameters.
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-# Our fused projections -> the checkpoint modules stacked along their rows.
-_FUSED_PARTS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def resolve_dtype(dtype: str, cfg: ModelArchConfig) -> torch.dtype:
@@ -60,19 +46,20 @@ def load_model(
         return load_gguf_model(path, dtype, device, max_position)
     path = Path(path)
     cfg = ModelArchConfig.from_pretrained(path)
+    family = family_for(cfg.architecture)
     scheme = scheme_from_config(json.loads((path / "config.json").read_text()))
     if scheme is not None and quantization != "none":
         raise ValueError(f"quantization {quantization!r} applies to float checkpoints; this one is already "
                          f"quantized ({scheme.method})")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_position)
+        model = family.model_cls(cfg, max_position)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    loaded, stash = _load_tensors(model, cfg, path, scheme)
+    filled, stash = _load_tensors(model, family, cfg, path, scheme)
     if scheme is not None:
-        _place_quantized(model, cfg, scheme, stash)
-    _check_complete(model, cfg, loaded)
+        _place_quantized(model, family, cfg, scheme, stash, filled)
+    _check_complete(model, filled)
     quantize_projections(model, quantization)
     prepare_quantized(model)
     model.init_rope(dtype, device)
@@ -80,93 +67,97 @@ def load_model(
     return model
 
 
-def _load_tensors(model: LlamaForCausalLM, cfg: ModelArchConfig, path: Path,
-                  scheme: Scheme | None) -> tuple[set[str], dict[str, dict[str, torch.Tensor]]]:
-    """Copy every float tensor into its parameter (or its slice of a fused one); returns the names filled and
-    the quantized projections' tensors, by checkpoint module then suffix."""
+# Parameter name -> the selectors filled so far and how many elements each filled.
+Filled = dict[str, dict[str, int]]
+
+
+def _load_tensors(model: LlamaForCausalLM, family: ModelFamily, cfg: ModelArchConfig, path: Path,
+                  scheme: Scheme | None) -> tuple[Filled, dict[str, dict[str, torch.Tensor]]]:
+    """Copy every float tensor into the part of its parameter the family names; returns what was filled and the
+    quantized projections' tensors, by checkpoint module then suffix."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    filled: Filled = {}
     stash: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in _iter_checkpoint(path):
-        if _IGNORED.search(name):
-            continue
         if scheme is not None and scheme.owns(name):
             module, suffix = name.rsplit(".", 1)
             stash.setdefault(module, {})[suffix] = tensor
             continue
-        target, rows = _target(name, cfg)
-        if target not in params:
+        placement = family.placement(name, cfg)
+        if placement is None:
+            continue
+        if placement.param not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-        param = params[target]
-        dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+        dst = params[placement.param].data
+        if placement.selector is not None:
+            dst = dst[placement.selector]
         if dst.shape != tensor.shape:
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
             )
         dst.copy_(tensor)
-        loaded.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
+        _mark(filled, placement.param, placement.selector, dst.numel())
     if cfg.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    return loaded, stash
+        _mark(filled, "lm_head.weight", None, model.lm_head.weight.numel())
+    return filled, stash
 
 
-def _place_quantized(model: LlamaForCausalLM, cfg: ModelArchConfig, scheme: Scheme,
-                     stash: dict[str, dict[str, torch.Tensor]]) -> None:
+def _mark(filled: Filled, param: str, selector: Selector | None, numel: int) -> None:
+    """Record that `selector` of `param` (None: all of it) was filled with `numel` elements."""
+    filled.setdefault(param, {})[_selector_text(selector)] = numel
+
+
+def _selector_text(selector: Selector | None) -> str:
+    """`[a:b]`, `[e, a:b]`, or '' for the whole parameter."""
+    if selector is None:
+        return ""
+    parts = [f"{s.start or 0}:{s.stop}" if isinstance(s, slice) else str(s) for s in selector]
+    return f"[{', '.join(parts)}]"
+
+
+def _place_quantized(model: LlamaForCausalLM, family: ModelFamily, cfg: ModelArchConfig, scheme: Scheme,
+                     stash: dict[str, dict[str, torch.Tensor]], filled: Filled) -> None:
     """Each quantized projection (fused parts concatenated by rows) becomes a QuantizedLinear on the model's
     device, keeping the bias already loaded."""
     device = model.norm.weight.device
-    targets = {"lm_head": ["lm_head"]}
-    for i in range(cfg.num_layers):
-        for fused, parts in _FUSED_PARTS.items():
-            targets[f"layers.{i}.{fused}"] = [f"layers.{i}.{part}" for part in parts]
-    for target, parts in targets.items():
-        names = [next((k for k in (f"model.{p}", p) if k in stash), f"model.{p}") for p in parts]
-        if not any(name in stash for name in names):
-            continue
+    groups: dict[str, list[str | None]] = {}
+    for module in sorted(stash):
+        target, index, count = family.module_target(module)
+        groups.setdefault(target, [None] * count)[index or 0] = module
+    for target, modules in groups.items():
+        names = [m if m is not None else _sibling(family, target, i) for i, m in enumerate(modules)]
         weights = [scheme.to_weight(stash.pop(name) if name in stash else {}, name) for name in names]
         weight = weights[0] if len(weights) == 1 else concat_rows(weights)
         parent_name, _, attr = target.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, attr)
+        try:
+            parent = model.get_submodule(parent_name) if parent_name else model
+        except AttributeError:
+            parent = None
+        old = getattr(parent, attr, None)
+        if not isinstance(old, nn.Linear | QuantizedLinear):
+            raise ValueError(f"quantized checkpoint tensors have no place in {cfg.architecture}: {names[0]!r}")
         if (weight.out_features, weight.in_features) != (old.out_features, old.in_features):
             raise ValueError(f"quantized {target} has shape {(weight.out_features, weight.in_features)}, expected "
                              f"{(old.out_features, old.in_features)}")
         setattr(parent, attr, QuantizedLinear(weight.to(device), old.bias))
-    if stash:
-        raise ValueError(f"quantized checkpoint tensors have no place in {cfg.architecture}: {sorted(stash)[:3]}")
+        _mark(filled, f"{target}.weight", None, old.out_features * old.in_features)
 
 
-def _target(name: str, cfg: ModelArchConfig) -> tuple[str, tuple[int, int] | None]:
-    """Our parameter name for a checkpoint tensor, and the row range it fills in a fused parameter."""
-    name = name.removeprefix("model.")
-    parts = name.split(".")
-    if len(parts) >= 4 and parts[-2] in _FUSED:
-        fused, index = _FUSED[parts[-2]]
-        sizes = _fused_sizes(fused, cfg)
-        start = sum(sizes[:index])
-        return ".".join([*parts[:-2], fused, parts[-1]]), (start, start + sizes[index])
-    return name, None
+def _sibling(family: ModelFamily, target: str, index: int) -> str:
+    """The checkpoint module holding piece `index` of our fused `target` (named to say what is missing)."""
+    parent, _, fused = target.rpartition(".")
+    return f"model.{parent}.{family.fused[fused].parts[index]}"
 
 
-def _fused_sizes(fused: str, cfg: ModelArchConfig) -> list[int]:
-    """Row sizes of the pieces concatenated in a fused parameter."""
-    if fused == "qkv_proj":
-        kv = cfg.num_kv_heads * cfg.head_dim
-        return [cfg.num_heads * cfg.head_dim, kv, kv]
-    return [cfg.intermediate_size, cfg.intermediate_size]
-
-
-def _check_complete(model: LlamaForCausalLM, cfg: ModelArchConfig, loaded: set[str]) -> None:
-    """Every parameter (and every slice of a fused one) must have come from the checkpoint."""
+def _check_complete(model: LlamaForCausalLM, filled: Filled) -> None:
+    """Every element of every parameter must have come from the checkpoint: the parts filled of each parameter
+    add up to all of it."""
     missing = []
-    for name, _ in model.named_parameters():
-        fused = name.split(".")[-2] if name.count(".") >= 2 else ""
-        if fused in ("qkv_proj", "gate_up_proj"):
-            sizes = _fused_sizes(fused, cfg)
-            bounds = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
-            missing += [f"{name}[{a}:{b}]" for a, b in bounds if f"{name}[{a}:{b}]" not in loaded]
-        elif name not in loaded:
-            missing.append(name)
+    for name, param in model.named_parameters():
+        parts = filled.get(name, {})
+        if sum(parts.values()) != param.numel():
+            done = ", ".join(p for p in sorted(parts) if p) or "none"
+            missing.append(f"{name} (parts filled: {done})" if parts else name)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
