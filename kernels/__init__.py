@@ -7,6 +7,7 @@ from pagedserve.kernels.activation import silu_and_mul
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.cache import copy_blocks, reshape_and_cache
 from pagedserve.kernels.lora import lora_expand_add, lora_shrink
+from pagedserve.kernels.moe import fused_moe, topk_routing
 from pagedserve.kernels.norm import rms_norm
 from pagedserve.kernels.rope import compute_cos_sin_cache, rotary_embedding, rotary_embedding_and_cache
 from pagedserve.kernels.sampling import logsumexp, sample_from_logits, to_float32
@@ -14,6 +15,7 @@ from pagedserve.kernels.sampling import logsumexp, sample_from_logits, to_float3
 __all__ = [
     "compute_cos_sin_cache",
     "copy_blocks",
+    "fused_moe",
     "logsumexp",
     "lora_expand_add",
     "lora_shrink",
@@ -25,4 +27,5 @@ __all__ = [
     "sample_from_logits",
     "silu_and_mul",
     "to_float32",
+    "topk_routing",
 ]
