@@ -1,30 +1,47 @@
 """Multi-LoRA deltas in the punica shape: shrink (x @ A.T into rank R) then expand (y @ B.T added to the base
-layer's output), every token row with its own adapter slot, -1 meaning the base model and no work."""
+layer's output), every token row with its own adapter slot, -1 meaning the base model and no work.
+
+A caller making many calls over one batch (every LoRA layer of a step) groups its rows once with
+`group_slots(slots)` and passes the groups to each call; without them each call groups for itself.
+"""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from pagedserve.kernels.dispatch import Implementations
-from pagedserve.kernels.lora import reference
+from pagedserve.kernels.lora import cpu, reference
+from pagedserve.kernels.lora.grouping import SlotGroups, group_slots
 
-_IMPLEMENTATIONS = Implementations(reference)
+
+def _load_triton() -> ModuleType:
+    from pagedserve.kernels.lora import triton
+
+    return triton
 
 
-def _check(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, x_name: str, w_name: str) -> None:
+_IMPLEMENTATIONS = Implementations(reference, cpu, _load_triton)
+
+
+def _check(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, groups: SlotGroups | None,
+           x_name: str, w_name: str) -> None:
     assert x.dim() == 2 and weights.dim() == 3, f"{x_name} must be [T, *] and {w_name} [S, *, *]"
     assert slots.dim() == 1 and slots.shape[0] == x.shape[0], f"slots must be [T] for {x_name} [T, *]"
     assert not slots.dtype.is_floating_point, "slots must be an integer tensor"
+    assert groups is None or groups.slots is slots, "groups must be group_slots(slots) of these slots"
 
 
 def lora_shrink(
     x: torch.Tensor,  # [T, K] activations
     lora_a: torch.Tensor,  # [S, R, K] stacked A of the resident slots, rank zero-padded to R
     slots: torch.Tensor,  # [T] int: slot per row, -1 = base model
+    groups: SlotGroups | None = None,  # group_slots(slots), shared by the calls of one step
 ) -> torch.Tensor:
     """[T, R] in x's dtype: x[t] @ lora_a[slots[t]].T, zero rows where slots[t] == -1."""
-    _check(x, lora_a, slots, "x", "lora_a")
+    _check(x, lora_a, slots, groups, "x", "lora_a")
     assert lora_a.shape[2] == x.shape[1], f"lora_a is [S, R, {lora_a.shape[2]}] but x has K = {x.shape[1]}"
-    return _IMPLEMENTATIONS.select(x).lora_shrink(x, lora_a, slots)
+    return _IMPLEMENTATIONS.select(x).lora_shrink(x, lora_a, slots, groups)
 
 
 def lora_expand_add(
@@ -33,14 +50,15 @@ def lora_expand_add(
     lora_b: torch.Tensor,  # [S, N, R] stacked B, the adapter's scaling folded in
     slots: torch.Tensor,  # [T] int: slot per row, -1 = base model
     offset: int = 0,  # first column of out this B writes (a fused projection's slice)
+    groups: SlotGroups | None = None,  # group_slots(slots), shared by the calls of one step
 ) -> None:
     """out[t, offset:offset + N] += y[t] @ lora_b[slots[t]].T for rows with slots[t] >= 0; others untouched."""
-    _check(y, lora_b, slots, "y", "lora_b")
+    _check(y, lora_b, slots, groups, "y", "lora_b")
     assert lora_b.shape[2] == y.shape[1], f"lora_b is [S, N, {lora_b.shape[2]}] but y has R = {y.shape[1]}"
     assert out.dim() == 2 and out.shape[0] == y.shape[0], "out must be [T, N_total] with y's rows"
     assert 0 <= offset and offset + lora_b.shape[1] <= out.shape[1], (
         f"offset {offset} + N {lora_b.shape[1]} exceeds out's {out.shape[1]} columns")
-    _IMPLEMENTATIONS.select(out).lora_expand_add(out, y, lora_b, slots, offset)
+    _IMPLEMENTATIONS.select(out).lora_expand_add(out, y, lora_b, slots, offset, groups)
 
 
-__all__ = ["lora_expand_add", "lora_shrink"]
+__all__ = ["SlotGroups", "group_slots", "lora_expand_add", "lora_shrink"]

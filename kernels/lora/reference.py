@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import torch
+from pagedserve.kernels.lora.grouping import SlotGroups
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """kernels.lora.lora_shrink by gathering every row's A and one batched matvec, fp32 sums."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
+                groups: SlotGroups | None = None) -> torch.Tensor:
+    """kernels.lora.lora_shrink by gathering every row's A and one batched matvec, fp32 sums; reads only
+    `slots`, never `groups`."""
     active = slots >= 0
     a = lora_a[slots.clamp(min=0).long()].float()  # [T, R, K]
     y = torch.bmm(a, x.float().unsqueeze(-1)).squeeze(-1)  # [T, R]
@@ -14,8 +17,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor) -> t
 
 
 def lora_expand_add(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
-                    offset: int = 0) -> None:
-    """kernels.lora.lora_expand_add by gathering every active row's B, fp32 sums added to out's slice."""
+                    offset: int = 0, groups: SlotGroups | None = None) -> None:
+    """kernels.lora.lora_expand_add by gathering every active row's B, fp32 sums added to out's slice; reads
+    only `slots`, never `groups`."""
     rows = torch.nonzero(slots >= 0).squeeze(-1)
     n = lora_b.shape[1]
     b = lora_b[slots[rows].long()].float()  # [A, N, R]
