@@ -203,10 +203,71 @@ def _bitmask_checks(device: torch.device, dry: bool) -> list[dict]:
     return [res]
 
 
+def _lora_checks(device: torch.device, dry: bool) -> list[dict]:
+    """Multi-LoRA shrink + expand (4 adapters and base rows mixed, bf16) against the torch reference: decode
+    rows unsorted, replayed from a CUDA graph; prefill rows with precomputed groups. Timed against the base
+    layer's bf16 F.linear."""
+    from pagedserve.kernels.lora import group_slots, reference
+    from pagedserve.kernels.lora import triton as lora_triton
+
+    k, n = (4096, 4096) if not dry else (96, 80)
+    results = []
+    for rank in (16, 64) if not dry else (16,):
+        a = torch.randn(4, rank, k, device=device, dtype=torch.bfloat16) / k ** 0.5
+        b = torch.randn(4, n, rank, device=device, dtype=torch.bfloat16) / rank ** 0.5
+        for tokens in (32, 1024) if not dry else (5, 70):
+            x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+            slots = torch.randint(-1, 4, (tokens,), device=device)
+            groups = group_slots(slots) if tokens > 64 else None
+            base = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+            want = base.clone()
+            reference.lora_expand_add(want, reference.lora_shrink(x, a, slots), b, slots)
+
+            def delta(x=x, a=a, b=b, slots=slots, groups=groups, base=base) -> torch.Tensor:
+                out = base.clone()
+                lora_triton.lora_expand_add(out, lora_triton.lora_shrink(x, a, slots, groups), b, slots, 0, groups)
+                return out
+
+            got = _replay_in_cuda_graph(delta) if device.type == "cuda" and groups is None else delta()
+            results.append(_check(f"lora shrink+expand T={tokens} K={k} N={n} R={rank} S=4", got, want, 3e-2, 2e-2))
+            reps = 3 if dry else 50
+            dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+            results[-1]["triton_ms"] = round(bench_ms(delta, device, 2, reps), 4)
+            results[-1]["base_linear_ms"] = round(bench_ms(lambda x=x, d=dense: F.linear(x, d), device, 2, reps), 4)
+            log(f"    {results[-1]['triton_ms']} ms (base bf16 F.linear {results[-1]['base_linear_ms']} ms)")
+    return results
+
+
+def _moe_checks(device: torch.device, dry: bool) -> list[dict]:
+    """The fused MoE forward (bf16) against the per-expert torch reference in Mixtral-8x7B's and Qwen3-30B-A3B's
+    expert shapes, decode to prefill rows, each timed against the reference."""
+    from pagedserve.kernels.moe import reference
+    from pagedserve.kernels.moe import triton as moe_triton
+
+    shapes = [(4096, 14336, 8, 2), (2048, 768, 128, 8)] if not dry else [(64, 32, 4, 2), (32, 16, 16, 4)]
+    results = []
+    for hidden, inter, experts, top_k in shapes:
+        w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=torch.bfloat16) / hidden ** 0.5
+        w2 = torch.randn(experts, hidden, inter, device=device, dtype=torch.bfloat16) / inter ** 0.5
+        for tokens in (1, 16, 512) if not dry else (1, 9):
+            x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+            weights, ids = reference.topk_routing(torch.randn(tokens, experts, device=device), top_k, True)
+            want = reference.fused_moe(x, w13, w2, weights, ids)
+            res = _check(f"fused_moe E={experts} top{top_k} T={tokens} H={hidden} I={inter}",
+                         moe_triton.fused_moe(x, w13, w2, weights, ids), want, 4e-2 * float(want.abs().max()), 0)
+            reps = 3 if dry else 20
+            args = (x, w13, w2, weights, ids)
+            res["triton_ms"] = round(bench_ms(lambda a=args: moe_triton.fused_moe(*a), device, 2, reps), 4)
+            res["torch_reference_ms"] = round(bench_ms(lambda a=args: reference.fused_moe(*a), device, 2, reps), 4)
+            log(f"    {res['triton_ms']} ms (torch reference {res['torch_reference_ms']} ms)")
+            results.append(res)
+    return results
+
+
 def gpu_correctness(device: torch.device, dry: bool) -> list[dict]:
     """Every Triton kernel against its torch reference at serving sizes (tiny sizes in a dry run)."""
     return (_attention_checks(device, dry) + _row_checks(device, dry) + _quant_linear_checks(device, dry)
-            + _bitmask_checks(device, dry))
+            + _bitmask_checks(device, dry) + _lora_checks(device, dry) + _moe_checks(device, dry))
 
 
 def gpu_decode_bandwidth(device: torch.device, dry: bool, peak_gbps: float) -> list[dict]:
