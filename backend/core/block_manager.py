@@ -285,5 +285,14 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else None
-            salt = request.cache_salt if i == 0 else None
+            salt = first_block_key(request) if i == 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], salt))
+
+
+def first_block_key(request: Request) -> str | None:
+    """The extra key of a request's first block: its cache salt and its LoRA adapter as loaded now (name and
+    load id), so no block is shared across adapters nor with an earlier load of the same name."""
+    params = request.sampling_params
+    if not params.lora_int_id:
+        return request.cache_salt
+    return f"lora:{params.lora_int_id}:{params.lora_name}:salt:{request.cache_salt or ''}"

@@ -109,6 +109,32 @@ class ModelConfig:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
 
 
+MAX_LORA_RANK = 512  # vLLM's largest choice
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving: `max_loras` adapters resident in the model's slots at once (the most one step
+    mixes), ranks up to `max_lora_rank`, `max_cpu_loras` adapters kept in host memory (default: max_loras)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise InvalidRequestError(f"enable_lora must be a bool, got {self.enable_lora!r}", "enable_lora")
+        _check_int("max_loras", self.max_loras, 1, 256)
+        _check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check_int("max_cpu_loras", self.max_cpu_loras, 1)
+        if self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})", "max_cpu_loras")
+
+
 SPECULATIVE_METHODS = ("ngram",)
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 

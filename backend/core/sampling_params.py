@@ -79,8 +79,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: all that fit
+    lora_name: str | None = None  # the LoRA adapter to generate with (the Triton vLLM backend's key); None: base
     # bad_words as token-id sequences, filled in by the engine from its tokenizer.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # The engine's id of lora_name's adapter as loaded now (0: none), filled in by the engine.
+    lora_int_id: int = 0
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -97,6 +100,8 @@ class SamplingParams:
             _bool(name, getattr(self, name))
         _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise _fail("lora_name", f"must be a non-empty string, got {self.lora_name!r}")
 
     def _check_counts(self) -> None:
         _int("n", self.n, 1, MAX_N)
@@ -184,7 +189,7 @@ class SamplingParams:
 
 
 _FIELD_TYPES = {f.name: f.type for f in fields(SamplingParams)}
-_ENGINE_FILLED = frozenset({"bad_words_token_ids"})  # not a request field
+_ENGINE_FILLED = frozenset({"bad_words_token_ids", "lora_int_id"})  # not request fields
 _TRUE_WORDS = frozenset({"true", "1", "yes", "y", "on", "t"})
 _FALSE_WORDS = frozenset({"false", "0", "no", "n", "off", "f"})
 

@@ -4,7 +4,7 @@ order of the scheduling policy (arrival, or priority then arrival)."""
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.backend.core.block_manager import BlockManager
@@ -52,8 +52,13 @@ class Scheduler:
     Not thread-safe; call schedule() and update_from_output() alternately from one thread.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 max_loras: int = 0, resident_loras: Container[int] = ()) -> None:
         self.config = scheduler_config
+        # LoRA adapters running requests may use at once (the runner's slots; 0: LoRA is off), and the load
+        # ids of those resident in a slot now (the runner updates it in place).
+        self.max_loras = max_loras
+        self.resident_loras = resident_loras
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -279,10 +284,17 @@ class Scheduler:
         if self._unforked:
             self._unforked = [r for r in self._unforked if r.status == _RUNNING and not r.num_output_tokens]
         occupied = self._occupied_slots()
+        adapters = LoRAAdmission(self.running, self.max_loras, self.resident_loras) if self.max_loras else None
+        skipped: list[Request] = []
         while waiting and budget > 0:
             request = waiting.peek()
             if request.is_finished:
                 waiting.pop()
+                continue
+            if adapters is not None and not adapters.admits(request):
+                if len(skipped) >= self.config.max_num_seqs:
+                    break
+                skipped.append(waiting.pop())
                 continue
             seqs = _sequences_once_running(request)
             admitted = self._allocate_waiting(request, seqs, occupied, budget)
@@ -303,12 +315,16 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
             self._add_running(request)
+            if adapters is not None:
+                adapters.add(request)
             occupied += seqs
             if seqs > 1:
                 self._unforked.append(request)
             if num_new > 0:
                 self._add_scheduled(out, request, num_new, new_block_ids)
                 budget -= num_new
+        for request in reversed(skipped):  # back at the head, in their order
+            waiting.add_preempted(request)
         return budget
 
     def _occupied_slots(self) -> int:
@@ -376,6 +392,34 @@ class Scheduler:
         self._num_waiting += 1
         self.num_preemptions += 1
         out.preempted_ids.append(request.request_id)
+
+
+class LoRAAdmission:
+    """Which waiting requests' LoRA adapters fit this step: at most `max_loras` distinct adapters among running
+    requests (the runner's slots), and at most one admitted per step whose adapter is not resident, so that no
+    request's step waits on more than one adapter load. A request that does not fit waits; others go on."""
+
+    __slots__ = ("running", "max_loras", "resident", "loads")
+
+    def __init__(self, running: Iterable[Request], max_loras: int, resident: Container[int]) -> None:
+        self.running = {r.sampling_params.lora_int_id for r in running} - {0}
+        self.max_loras = max_loras
+        self.resident = resident
+        self.loads = 0
+
+    def admits(self, request: Request) -> bool:
+        """Whether `request` may be admitted now."""
+        lora_id = request.sampling_params.lora_int_id
+        if not lora_id or lora_id in self.running:
+            return True
+        return len(self.running) < self.max_loras and (lora_id in self.resident or not self.loads)
+
+    def add(self, request: Request) -> None:
+        """Record an admitted request's adapter."""
+        lora_id = request.sampling_params.lora_int_id
+        if lora_id and lora_id not in self.running:
+            self.running.add(lora_id)
+            self.loads += lora_id not in self.resident
 
 
 def _take_drafts(request: Request, num_new: int, budget: int) -> list[int]:

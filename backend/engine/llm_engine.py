@@ -17,13 +17,20 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pagedserve.backend.core.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagedserve.backend.core.errors import ErrorKind, InvalidRequestError, RequestTimeoutError
 from pagedserve.backend.core.outputs import EngineStats, RequestOutput
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.beam_search import BeamGroup
+from pagedserve.backend.engine.engine_args import engine_args
 from pagedserve.backend.engine.input_processing import (
     check_beams_fit,
     check_params,
@@ -32,6 +39,7 @@ from pagedserve.backend.engine.input_processing import (
     resolve_prompt,
     truncate_prompt,
 )
+from pagedserve.backend.engine.lora import LoRAEngineMixin, LoRARegistry
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
 from pagedserve.backend.engine.speculative import NgramSpeculator, Run, record_run
 from pagedserve.backend.engine.structured import StructuredOutputs
@@ -40,24 +48,6 @@ from pagedserve.backend.worker.model_runner import ModelRunner, ModelRunnerOutpu
 from pagedserve.backend.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
-
-_CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
-    ModelConfig: ("dtype", "quantization", "device", "seed", "cpu_threads"),
-    CacheConfig: (
-        "block_size",
-        "num_blocks",
-        "kv_cache_memory_bytes",
-        "gpu_memory_utilization",
-        "enable_prefix_caching",
-    ),
-    SchedulerConfig: (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "max_num_waiting",
-        "scheduling_policy",
-    ),
-}
 
 FaultInjector = Callable[[SchedulerOutput], None]
 
@@ -68,23 +58,25 @@ def _unfreeze_at_exit() -> None:
     atexit.register(gc.unfreeze)
 
 
-class LLMEngine:
+class LLMEngine(LoRAEngineMixin):
     """Paged-KV-cache generation over a Llama-family model; `step()` runs one scheduled forward."""
 
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-        speculative_config: SpeculativeConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None, lora_config: LoRAConfig | None = None,
+        lora_modules: dict[str, str] | None = None,
     ):
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         ModelArchConfig.from_pretrained(model_config.model)  # a missing or unsupported model fails first
         self.tokenizer = load_tokenizer(model_config.model)
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config)
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config, lora_config)
+        self.lora = LoRARegistry(lora_config, self.runner.lora)
         arch: ModelArchConfig = self.runner.arch
         self.vocab_size = arch.vocab_size
         self.eos_token_ids: set[int] = load_eos_token_ids(model_config.model, arch, self.tokenizer)
-        self.scheduler = Scheduler(scheduler_config, cache_config, self.runner.num_blocks)
+        self.scheduler = Scheduler(scheduler_config, cache_config, self.runner.num_blocks, **self.lora.scheduler_args())
         self.sampler = Sampler(self.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.speculator = None if speculative_config is None else NgramSpeculator(
@@ -103,28 +95,15 @@ class LLMEngine:
         self._id_counter = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._load_lora_modules(lora_modules)
 
     @classmethod
     def from_pretrained(cls, model: str, **kwargs: Any) -> LLMEngine:
-        """Load a Hugging Face model folder; kwargs: the configs' fields, `speculative_config` (dict or JSON)."""
-        speculative_config = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
-        known = {name for names in _CONFIG_FIELDS.values() for name in names} | {"speculative_config"}
-        for key in kwargs:
-            if key not in known:
-                raise InvalidRequestError(
-                    f"unknown engine option {key!r}; allowed: {', '.join(sorted(known))}", key
-                )
-        if "max_model_len" not in kwargs:
-            kwargs["max_model_len"] = ModelArchConfig.from_pretrained(model).max_position_embeddings
-        configs = {
-            cls_: cls_(**{k: v for k, v in kwargs.items() if k in names})
-            for cls_, names in _CONFIG_FIELDS.items()
-            if cls_ is not ModelConfig
-        }
-        model_config = ModelConfig(
-            model=str(model), **{k: v for k, v in kwargs.items() if k in _CONFIG_FIELDS[ModelConfig]}
-        )
-        engine = cls(model_config, configs[CacheConfig], configs[SchedulerConfig], speculative_config)
+        """Load a Hugging Face model folder; kwargs: the configs' fields, `speculative_config` (dict or JSON),
+        `lora_modules` (adapter name -> PEFT folder, loaded at start)."""
+        args = engine_args(model, kwargs)
+        engine = cls(args.model_config, args.cache_config, args.scheduler_config, args.speculative_config,
+                     args.lora_config, args.lora_modules)
         # What start-up made (weights' modules, tokenizer, block pool) lives as long as the engine: out of
         # the garbage collector's full passes, which otherwise rescan it every few hundred steps.
         gc.collect()
@@ -160,6 +139,7 @@ class LLMEngine:
         token_ids = resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids,
                                      add_special_tokens)
         check_params(params, self.scheduler_config.max_num_seqs)
+        self.lora.resolve(params)
         _check_timeout(timeout)
         check_priority_policy(priority, self.scheduler_config.scheduling_policy)
         token_ids = truncate_prompt(token_ids, params, self.scheduler_config.max_model_len)
@@ -488,6 +468,7 @@ class LLMEngine:
             num_blocks=self.runner.num_blocks,
             num_free_blocks=sch.block_manager.num_free_blocks,
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **self.lora.stats(sch),
         )
 
 

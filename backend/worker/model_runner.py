@@ -7,11 +7,12 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.core.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
+from pagedserve.backend.worker.lora import LoRAManager
 
 import pagedserve
 from pagedserve import kernels
@@ -80,7 +81,8 @@ class ModelRunner:
     """Owns the model and its per-layer KV cache; `execute` runs one scheduled step."""
 
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig
+        self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+        lora_config: LoRAConfig | None = None,
     ):
         self.device = resolve_device(model_config.device)
         if self.device.type == "cpu":
@@ -107,6 +109,8 @@ class ModelRunner:
                                                   model_config.quantization)
         if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES:
             logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
+        self.lora = LoRAManager(self.model, self.arch, lora_config, self.dtype, self.device) if (
+            lora_config is not None and lora_config.enable_lora) else None
         self.num_blocks = self._num_blocks(cache_config, scheduler_config)
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zeroed, not empty: attention reads whole blocks and masks the tail, and 0 * NaN would leak.
@@ -190,6 +194,8 @@ class ModelRunner:
         """Apply block copies, run one forward over every scheduled token, return the needed logits."""
         with torch.inference_mode():
             kernels.copy_blocks(self.key_caches, self.value_caches, scheduler_output.block_copies)
+            if self.lora is not None:
+                self.lora.prepare(scheduler_output.scheduled)
             batch = self._prepare(scheduler_output.scheduled)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             logits = self.model.compute_logits(hidden[batch.logit_rows])

@@ -1,0 +1,179 @@
+"""Multi-LoRA on the model: the decoder's projections wrapped to add each row's adapter delta, the adapters'
+stacked weights in `max_loras` resident slots swapped in LRU order, and the host copies kept for reloads."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from pagedserve.backend.core.config import LoRAConfig
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.scheduler import ScheduledRequest
+from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.model.lora import (
+    LORA_PROJECTIONS,
+    LoRAAdapter,
+    LoRAAdapterError,
+    load_lora_adapter,
+    module_shapes,
+)
+from torch import nn
+
+from pagedserve import kernels
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAStep:
+    """What every wrapped projection reads during one forward: each token row's slot, or None when no row has
+    an adapter (then the wrappers do no LoRA work at all)."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None  # [T] int32, -1 = base model
+
+
+class LoRALinear(nn.Module):
+    """base(x), plus for the rows with an adapter x @ A.T @ B.T into each part's column slice (the fused q|k|v or
+    gate|up projections have one A/B pair per part; A's of all parts stacked so one shrink serves them)."""
+
+    def __init__(self, base: nn.Module, step: LoRAStep, lora_a: torch.Tensor, lora_b: list[torch.Tensor],
+                 rank: int):
+        super().__init__()
+        self.base = base
+        self.step = step
+        self.rank = rank
+        self.register_buffer("lora_a", lora_a, persistent=False)  # [S, parts * R, K]
+        self.lora_b = lora_b  # per part: [S, N_part, R]
+        self.offsets = [sum(b.shape[1] for b in lora_b[:i]) for i in range(len(lora_b))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """As the base projection, plus each row's adapter delta."""
+        out = self.base(x)
+        slots = self.step.slots
+        if slots is None:
+            return out
+        y = kernels.lora_shrink(x, self.lora_a, slots)  # [T, parts * R]
+        rank = self.rank
+        for i, (lora_b, offset) in enumerate(zip(self.lora_b, self.offsets, strict=True)):
+            kernels.lora_expand_add(out, y[:, i * rank : (i + 1) * rank], lora_b, slots, offset)
+        return out
+
+
+class LoRAManager:
+    """Owns the resident slots and the host copies. Adapters are known by the engine's load id (> 0); `prepare`
+    gives the step's adapters slots (loading those not resident into the least recently used free ones) and
+    sets the per-row slot tensor the wrappers read."""
+
+    def __init__(self, model: nn.Module, arch: ModelArchConfig, config: LoRAConfig, dtype: torch.dtype,
+                 device: torch.device):
+        self.arch, self.config, self.dtype, self.device = arch, config, dtype, device
+        self.step = LoRAStep()
+        self.wrapped: dict[tuple[int, str], LoRALinear] = _wrap_projections(model, arch, config, self.step,
+                                                                           dtype, device)
+        self.paths: dict[int, tuple[str, str]] = {}  # load id -> (name, path)
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
+        self.slot_ids = [0] * config.max_loras  # load id per slot, 0 = empty; updated in place (the scheduler reads it)
+        self._last_used = [0] * config.max_loras
+        self._clock = 0
+        self.num_loads = 0
+
+    def add(self, lora_id: int, name: str, path: str) -> LoRAAdapter:
+        """Read and check the adapter, keep it in host memory; InvalidRequestError (field "lora") if bad."""
+        adapter = self._read(name, path)
+        self.paths[lora_id] = (name, path)
+        self._keep(lora_id, adapter)
+        return adapter
+
+    def remove(self, lora_id: int) -> None:
+        """Forget an adapter: its host copy and its slot."""
+        self.paths.pop(lora_id, None)
+        self.host.pop(lora_id, None)
+        for slot, held in enumerate(self.slot_ids):
+            if held == lora_id:
+                self.slot_ids[slot] = 0
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Set the step's per-row slots (rows in `scheduled` order, num_scheduled_tokens each); None when no
+        scheduled request has an adapter."""
+        ids = [item.request.sampling_params.lora_int_id for item in scheduled]
+        if not any(ids):
+            self.step.slots = None
+            return
+        slot_of = self._activate({i for i in ids if i})
+        per_item = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int32)
+        counts = torch.tensor([item.num_scheduled_tokens for item in scheduled], dtype=torch.int64)
+        rows = torch.repeat_interleave(per_item, counts, output_size=int(counts.sum()))
+        self.step.slots = rows.to(self.device, non_blocking=True)
+
+    def _activate(self, lora_ids: set[int]) -> dict[int, int]:
+        """A slot for each of the step's adapters (at most max_loras): resident ones stay, others are loaded
+        into empty slots, then into the least recently used slots no adapter of this step holds."""
+        if len(lora_ids) > len(self.slot_ids):
+            raise ValueError(f"{len(lora_ids)} adapters in one step, more than max_loras ({len(self.slot_ids)})")
+        self._clock += 1
+        slot_of = {held: slot for slot, held in enumerate(self.slot_ids) if held in lora_ids}
+        for lora_id in sorted(lora_ids - slot_of.keys()):
+            taken = set(slot_of.values())
+            slot = min((s for s in range(len(self.slot_ids)) if s not in taken),
+                       key=lambda s: (self.slot_ids[s] != 0, self._last_used[s]))
+            self._load(lora_id, slot)
+            slot_of[lora_id] = slot
+        for slot in slot_of.values():
+            self._last_used[slot] = self._clock
+        return slot_of
+
+    def _load(self, lora_id: int, slot: int) -> None:
+        """Copy an adapter into a slot: its A rows and B columns up to its rank, zeros elsewhere."""
+        adapter = self.host.get(lora_id)
+        if adapter is None:  # evicted from host memory: read again
+            name, path = self.paths[lora_id]
+            adapter = self._read(name, path)
+        self._keep(lora_id, adapter)
+        rank, r_max = adapter.rank, self.config.max_lora_rank
+        for (layer, projection), linear in self.wrapped.items():
+            linear.lora_a[slot].zero_()
+            for i, part in enumerate(LORA_PROJECTIONS[projection]):
+                lora_b = linear.lora_b[i][slot]
+                lora_b.zero_()
+                pair = adapter.weights.get((layer, part))
+                if pair is not None:
+                    linear.lora_a[slot, i * r_max : i * r_max + rank].copy_(pair[0])
+                    lora_b[:, :rank].copy_(pair[1])
+        self.slot_ids[slot] = lora_id
+        self.num_loads += 1
+        logger.info("LoRA adapter %r loaded into slot %d", adapter.name, slot)
+
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        try:
+            return load_lora_adapter(name, path, self.arch, self.config.max_lora_rank)
+        except LoRAAdapterError as error:
+            raise InvalidRequestError(str(error), "lora") from None
+
+    def _keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Host copy as the most recently used; beyond max_cpu_loras the least recently used is dropped."""
+        self.host[lora_id] = adapter
+        self.host.move_to_end(lora_id)
+        while len(self.host) > self.config.max_cpu_loras:
+            self.host.popitem(last=False)
+
+
+def _wrap_projections(model: nn.Module, arch: ModelArchConfig, config: LoRAConfig, step: LoRAStep,
+                      dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], LoRALinear]:
+    """Replace every decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by a LoRALinear over it."""
+    shapes = module_shapes(arch)
+    slots, rank = config.max_loras, config.max_lora_rank
+    wrapped = {}
+    for layer_index, layer in enumerate(model.layers):
+        for projection, parts in LORA_PROJECTIONS.items():
+            parent = layer.self_attn if projection in ("qkv_proj", "o_proj") else layer.mlp
+            in_features = shapes[parts[0]][0]
+            lora_a = torch.zeros(slots, len(parts) * rank, in_features, dtype=dtype, device=device)
+            lora_b = [torch.zeros(slots, shapes[p][1], rank, dtype=dtype, device=device) for p in parts]
+            linear = LoRALinear(getattr(parent, projection), step, lora_a, lora_b, rank)
+            setattr(parent, projection, linear)
+            wrapped[(layer_index, projection)] = linear
+    return wrapped

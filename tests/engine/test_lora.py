@@ -1,0 +1,153 @@
+"""Multi-LoRA serving: batches mixing the base model and adapters equal transformers + peft per request, under
+preemption, chunked prefill and adapter swaps; the prefix cache never crosses adapters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pagedserve.backend.core.sampling_params import SamplingParams
+
+from pagedserve.testing import make_lora_adapter
+from tests.support.engines import cpu_engine, greedy, run_to_end
+
+MAX_NEW_TOKENS = 8
+ATTENTION_AND_DOWN = ("q_proj", "v_proj", "o_proj", "down_proj")
+
+
+class PeftReference:
+    """transformers + peft as the oracle: one fp32 PeftModel per (base, adapter), loaded once."""
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[Path, Path | None], torch.nn.Module] = {}
+
+    def model(self, base: Path, adapter: Path | None) -> torch.nn.Module:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        key = (Path(base), None if adapter is None else Path(adapter))
+        if key not in self._models:
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            self._models[key] = (model if adapter is None else PeftModel.from_pretrained(model, adapter)).eval()
+        return self._models[key]
+
+    def generate(self, base: Path, adapter: Path | None, prompt: list[int], **settings) -> torch.Tensor:
+        return self.model(base, adapter).generate(
+            input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, pad_token_id=0, eos_token_id=None, **settings)
+
+    def greedy(self, base: Path, adapter: Path | None, prompt: list[int], max_new_tokens: int):
+        """Greedy tokens and the fp32 logprob of each."""
+        out = self.generate(base, adapter, prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                            output_logits=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+        return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def peft_reference() -> PeftReference:
+    return PeftReference()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_path, tmp_path_factory) -> dict[str, Path]:
+    """a1: rank 8 on all seven projections; a2: rank 16, rsLoRA, on attention and down_proj only."""
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "a1": make_lora_adapter(tiny_llama_path, root / "a1", rank=8, seed=1),
+        "a2": make_lora_adapter(tiny_llama_path, root / "a2", rank=16, seed=2, use_rslora=True, alpha=8,
+                                targets=ATTENTION_AND_DOWN),
+    }
+
+
+def _prompts(n: int, length: int = 13) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 300 + 5 for j in range(length + 3 * i)] for i in range(n)]
+
+
+SETTINGS = {
+    "roomy": dict(max_loras=2, num_blocks=64),
+    "preemption+chunked": dict(max_loras=2, num_blocks=14, max_num_batched_tokens=8),
+    "swaps": dict(max_loras=1, max_cpu_loras=1, num_blocks=64, max_num_batched_tokens=16),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_mixed_batch_matches_peft_per_request(setting, tiny_llama_path, adapters, peft_reference):
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, block_size=4, max_lora_rank=16,
+                        lora_modules={name: str(path) for name, path in adapters.items()}, **SETTINGS[setting])
+    names = [None, "a1", "a2", "a1"]
+    prompts = _prompts(len(names))
+
+    def submit(i: int) -> None:
+        engine.add_request(f"r{i}", None, greedy(MAX_NEW_TOKENS, logprobs=0, lora_name=names[i]),
+                           prompt_token_ids=prompts[i])
+
+    for i in range(3):
+        submit(i)
+    final = {}
+    while "a2" not in engine.get_stats().running_lora_adapters:  # the repeat of a1 arrives once a2 runs
+        final.update((out.request_id, out) for out in engine.step() if out.finished)
+    submit(3)
+    final.update(run_to_end(engine))
+    outputs = {}
+    for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
+        completion = final[f"r{i}"].outputs[0]
+        tokens, logprobs = peft_reference.greedy(tiny_llama_path, adapters.get(name), prompt, MAX_NEW_TOKENS)
+        assert completion.token_ids == tokens, f"request {i} (adapter {name})"
+        got = [lp[t] for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)]
+        assert got == pytest.approx(logprobs, abs=1e-4)
+        outputs[i] = tokens
+    base_alone = peft_reference.greedy(tiny_llama_path, None, prompts[1], MAX_NEW_TOKENS)[0]
+    assert outputs[1] != base_alone, "the adapter must change the output for this test to mean anything"
+    if setting == "preemption+chunked":
+        assert engine.get_stats().num_preemptions > 0
+    if setting == "swaps":
+        assert engine.runner.lora.num_loads >= 3, "a1, a2 and a1 again take the single slot in turn"
+
+
+def test_n_and_beams_with_an_adapter_fork_its_adapter(tiny_llama_path, adapters, peft_reference):
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, max_loras=1, lora_modules={"a2": str(adapters["a2"])},
+                        block_size=4, num_blocks=64)
+    prompt = _prompts(1)[0]
+    n2, beams = engine.generate([prompt, prompt], [
+        greedy(MAX_NEW_TOKENS, n=2, lora_name="a2"),
+        SamplingParams(beam_width=2, n=2, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, lora_name="a2"),
+    ])
+    tokens = peft_reference.greedy(tiny_llama_path, adapters["a2"], prompt, MAX_NEW_TOKENS)[0]
+    assert [c.token_ids for c in n2.outputs] == [tokens, tokens]
+    ref = peft_reference.generate(tiny_llama_path, adapters["a2"], prompt, max_new_tokens=MAX_NEW_TOKENS,
+                                  num_beams=2, num_return_sequences=2, min_new_tokens=MAX_NEW_TOKENS)
+    assert [c.token_ids for c in beams.outputs] == [seq[len(prompt):].tolist() for seq in ref]
+
+
+def test_prefix_cache_hits_within_an_adapter_never_across(tiny_llama_path, adapters):
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, max_loras=2, block_size=4, num_blocks=64,
+                        lora_modules={name: str(path) for name, path in adapters.items()})
+    prompt = _prompts(1, length=17)[0]
+
+    def cached(name: str | None) -> int:
+        return engine.generate([prompt], greedy(2, lora_name=name))[0].num_cached_tokens
+
+    assert cached("a1") == 0
+    assert cached("a2") == 0, "another adapter's blocks are not this one's"
+    assert cached(None) == 0, "nor the base model's"
+    assert cached("a1") == 16, "the same adapter hits its own four full blocks"
+    assert cached(None) == 16
+    engine.remove_lora("a1")
+    engine.add_lora("a1", str(adapters["a2"]))  # the same name, other weights: the old blocks are stale
+    assert cached("a1") == 0
+
+
+def test_a_base_only_step_does_no_lora_work(tiny_llama_path, adapters, monkeypatch):
+    from pagedserve import kernels
+
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, lora_modules={"a1": str(adapters["a1"])}, num_blocks=32)
+    calls = []
+    shrink = kernels.lora_shrink
+    monkeypatch.setattr(kernels, "lora_shrink", lambda *args: calls.append(1) or shrink(*args))
+    engine.generate([_prompts(1)[0]], greedy(3))
+    assert calls == [] and engine.runner.lora.step.slots is None
+    engine.generate([_prompts(1)[0]], greedy(3, lora_name="a1"))
+    assert calls, "an adapter's rows go through the shrink kernel"
