@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from pagedserve.kernels import native
 from pagedserve.kernels.attention import reference
+from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
 
 _decode_kernel = native.Function(
-    "pagedserve_decode_attention", [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    "pagedserve_decode_attention",
+    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
 )
 # Below this many sequences per thread, one call is cheaper than handing work to another thread.
 _MIN_SEQS_PER_THREAD = 8
@@ -66,6 +68,7 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [S], context length including the query token
     scale: float,
     out: torch.Tensor | None = None,  # [S, Hq, D]
+    mods: ScoreMods = NO_MODS,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its paged context, read in place; call supports() first."""
     if native.load() is None:
@@ -81,12 +84,13 @@ def decode_attention(
     if num_seqs == 0:
         return out if target is None else target
     code = native.dtype_code(query)
+    window, soft_cap = mods.sliding_window or 0, mods.soft_cap or 0.0
 
     def run(begin: int, end: int) -> None:
         _decode_kernel(
             out[begin].data_ptr(), query[begin].data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             tables[begin].data_ptr(), lens[begin].data_ptr(), end - begin, num_q_heads, num_kv_heads,
-            head_dim, block_size, tables.stride(0), query.stride(0), out.stride(0), scale, code,
+            head_dim, block_size, tables.stride(0), query.stride(0), out.stride(0), scale, window, soft_cap, code,
         )
 
     _run_split(run, num_seqs)
@@ -96,11 +100,12 @@ def decode_attention(
     return out
 
 
-def _context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:  # -> [Hkv, length, D]
-    """One sequence's first `length` cached tokens, gathered block by block (whole blocks, few copies)."""
+def _context(cache: torch.Tensor, table: torch.Tensor, begin: int, end: int) -> torch.Tensor:  # -> [Hkv, L, D]
+    """One sequence's cached tokens begin..end-1, gathered block by block (whole blocks, few copies)."""
     block_size = cache.shape[1]
-    blocks = table[: -(-length // block_size)].long()
-    rows = cache.index_select(0, blocks).flatten(0, 1)[:length]  # [length, Hkv, D]
+    first = begin // block_size
+    blocks = table[first : -(-end // block_size)].long()
+    rows = cache.index_select(0, blocks).flatten(0, 1)[begin - first * block_size : end - first * block_size]
     return rows.transpose(0, 1)
 
 
@@ -111,35 +116,40 @@ def _prefill_chunk(
     table: torch.Tensor,  # [max_blocks]
     seq_len: int,
     scale: float,
+    mods: ScoreMods = NO_MODS,
 ) -> torch.Tensor:  # -> [q_len, Hq, D]
-    """Causal attention of one chunk whose last query sits at seq_len - 1."""
+    """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches."""
     q_len, num_q_heads = query.shape[0], query.shape[1]
     group = num_q_heads // key_cache.shape[2]
+    window = mods.sliding_window
+    begin = 0 if window is None else max(0, seq_len - q_len - window + 1)
     # K/V repeated per query head: on the CPU SDPA's enable_gqa takes the slow math path, while 4-D
     # inputs of equal head counts reach the flash kernel (docs/benchmarks.md, offline throughput).
-    k = _context(key_cache, table, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
-    v = _context(value_cache, table, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
+    k = _context(key_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
+    v = _context(value_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
     q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
-    if q_len == seq_len:
+    if q_len == seq_len and mods == NO_MODS:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        # Query i sits at seq_len - q_len + i and sees keys up to there.
-        key_pos = torch.arange(seq_len)
-        mask = key_pos[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        # Query i sits at seq_len - q_len + i and sees keys up to there (within its window).
+        key_pos = torch.arange(begin, seq_len)
+        mask = mods.visible(key_pos[None, :], (seq_len - q_len + torch.arange(q_len))[:, None])
+        o = mods.attend(q, k, v, mask, scale)
     return o[0].transpose(0, 1)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention on the CPU: native decodes, per-sequence prefill chunks."""
     if not supports(query, key_cache):
         return reference.paged_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                         scale, max_seqlen_q, max_seqlen_k, out)
+                                         scale, max_seqlen_q, max_seqlen_k, out, sliding_window, logits_soft_cap)
+    mods = ScoreMods(sliding_window, logits_soft_cap)
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     if max_seqlen_q == 1 and num_tokens == num_seqs:
-        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, mods)
     result = out if out is not None else torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     lengths = seq_lens.tolist()
@@ -148,10 +158,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         rows = torch.tensor([starts[s] for s in decodes])
         index = torch.tensor(decodes)
         result[rows] = decode_attention(query[rows], key_cache, value_cache, block_tables[index], seq_lens[index],
-                                        scale)
+                                        scale, mods=mods)
     for s in range(num_seqs):
         begin, end = starts[s], starts[s + 1]
         if end - begin > 1:
             result[begin:end] = _prefill_chunk(query[begin:end], key_cache, value_cache, block_tables[s],
-                                               lengths[s], scale)
+                                               lengths[s], scale, mods)
     return result

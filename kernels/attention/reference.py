@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,34 @@ def _gather_kv_pair(
     return (_gather_kv(key_cache, rows, num_seqs, "key"), _gather_kv(value_cache, rows, num_seqs, "value"))
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreMods:
+    """What changes a score before the softmax: a sliding window (a query at p sees keys in (p - window, p])
+    and Gemma 2's soft-capping (cap * tanh(score / cap)); None for either means none."""
+
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def visible(self, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Causal (and windowed) visibility of keys at key_pos to queries at q_pos, broadcast together."""
+        mask = key_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= key_pos > q_pos - self.sliding_window
+        return mask
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """SDPA, or its math where the scores are soft-capped (which SDPA cannot do)."""
+        if self.soft_cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        scores = (torch.tanh(scores / self.soft_cap) * self.soft_cap).masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(-1).to(q.dtype), v)
+
+
+NO_MODS = ScoreMods()
+
+
 def _decode_attention(
     query: torch.Tensor,  # [S, Hq, D], one query per sequence
     key_cache: torch.Tensor,
@@ -75,16 +104,17 @@ def _decode_attention(
     seq_lens: torch.Tensor,  # [S] int64
     scale: float,
     max_seqlen_k: int,
+    mods: ScoreMods = NO_MODS,
 ) -> torch.Tensor:  # -> [S, Hq, D]
-    """One query per sequence: no padding and no causal structure beyond the length mask."""
+    """One query per sequence: no padding and no causal structure beyond the length (and window) mask."""
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     k, v = _gather_kv_pair(key_cache, value_cache, block_tables, max_seqlen_k)  # [S, Hkv, Lk, D]
     k, v = k.to(query.dtype), v.to(query.dtype)
     q = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     key_pos = torch.arange(k.shape[2], device=query.device)
-    mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [S, 1, 1, Lk]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    mask = mods.visible(key_pos[None, :], seq_lens[:, None] - 1)[:, None, None, :]  # [S, 1, 1, Lk]
+    o = mods.attend(q, k, v, mask, scale)
     return o.reshape(num_seqs, num_q_heads, head_dim)
 
 
@@ -114,6 +144,7 @@ def _chunk_attention(
     scale: float,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    mods: ScoreMods = NO_MODS,
 ) -> torch.Tensor:  # -> [T, Hq, D]
     """Causal attention of query chunks padded to max_seqlen_q, over their gathered context."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -134,12 +165,12 @@ def _chunk_attention(
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     chunk = torch.arange(max_seqlen_q, device=query.device)
     key_pos = torch.arange(k.shape[2], device=query.device)
-    # Padded query rows still see key 0, so no row is fully masked (no NaN); they are dropped below.
-    q_pos = (seq_lens - q_lens)[:, None] + chunk[None, :]  # [S, Lq]
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [S, Lq, Lk]
+    # Padded query rows sit at the last position, so no row is fully masked (no NaN); they are dropped below.
+    q_pos = torch.minimum((seq_lens - q_lens)[:, None] + chunk[None, :], seq_lens[:, None] - 1)  # [S, Lq]
+    mask = mods.visible(key_pos[None, None, :], q_pos[:, :, None])  # [S, Lq, Lk]
     mask = mask[:, None, :, None, :].expand(-1, 1, -1, group, -1)
     mask = mask.reshape(num_seqs, 1, max_seqlen_q * group, k.shape[2])
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    o = mods.attend(q, k, v, mask, scale)
     o = o.view(num_seqs, num_kv_heads, max_seqlen_q, group, head_dim).permute(0, 2, 1, 3, 4)
     return o[seq_idx, pos_in_chunk].reshape(num_tokens, num_q_heads, head_dim)
 
@@ -155,6 +186,7 @@ def _mixed_attention(
     max_seqlen_q: int,
     q_lens: torch.Tensor,  # [S] int64
     is_decode: torch.Tensor,  # [S] bool, q_lens == 1
+    mods: ScoreMods = NO_MODS,
 ) -> torch.Tensor:  # -> [T, Hq, D]
     """Decodes and prefill chunks in two batches (one K/V gather each): decodes are not padded to a chunk."""
     num_tokens = query.shape[0]
@@ -163,39 +195,42 @@ def _mixed_attention(
     dec_tokens = cu_seqlens_q[dec]
     result[dec_tokens] = _decode_attention(
         query[dec_tokens], key_cache, value_cache, block_tables[dec], seq_lens[dec], scale,
-        int(seq_lens[dec].max()),
+        int(seq_lens[dec].max()), mods,
     )
     pre = (~is_decode).nonzero().squeeze(1)
     pre_token_mask = ~is_decode.repeat_interleave(q_lens, output_size=num_tokens)
     pre_cu = torch.nn.functional.pad(q_lens[pre].cumsum(0), (1, 0))
     result[pre_token_mask] = _chunk_attention(
         query[pre_token_mask], key_cache, value_cache, block_tables[pre], pre_cu, seq_lens[pre],
-        scale, max_seqlen_q, int(seq_lens[pre].max()),
+        scale, max_seqlen_q, int(seq_lens[pre].max()), mods,
     )
     return result
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                    max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention batched over all sequences in torch (layouts there)."""
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     seq_lens = seq_lens.long()
     cu_seqlens_q = cu_seqlens_q.long()
+    mods = ScoreMods(sliding_window, logits_soft_cap)
     if max_seqlen_q == 1 and num_tokens == num_seqs:
-        result = _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seqlen_k)
+        result = _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seqlen_k,
+                                   mods)
     else:
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         is_decode = q_lens == 1
         num_decodes = int(is_decode.sum())
-        if num_seqs == 1 and int(seq_lens[0]) == num_tokens and _SDPA_HAS_GQA:
+        if num_seqs == 1 and int(seq_lens[0]) == num_tokens and _SDPA_HAS_GQA and mods == NO_MODS:
             result = _fresh_prompt_attention(query, key_cache, value_cache, block_tables, scale)
         elif num_decodes in (0, num_seqs):
             result = _chunk_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                      scale, max_seqlen_q, max_seqlen_k)
+                                      scale, max_seqlen_q, max_seqlen_k, mods)
         else:
             result = _mixed_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                      max_seqlen_q, q_lens, is_decode)
+                                      max_seqlen_q, q_lens, is_decode, mods)
     if out is None:
         return result
     out.copy_(result)

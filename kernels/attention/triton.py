@@ -36,6 +36,12 @@ def _find_sequence(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh through exp2 (the interpreter and every GPU have it): saturates to +-1 without NaN."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _attend_range(
     q,  # [BLOCK_M, HEAD_PAD] query tile, already in DOT_DTYPE
     acc,  # [BLOCK_M, HEAD_PAD] fp32 running numerator
@@ -49,7 +55,9 @@ def _attend_range(
     key_start,
     key_end,  # keys in [key_start, key_end) are visited
     seq_len,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with SOFT_CAP, softmax scale / cap
+    window,  # sliding window (keys q_pos - window < k <= q_pos); read only when WINDOWED and MASKED
+    soft_cap,  # cap * log2(e); read only when SOFT_CAP
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr,
@@ -59,8 +67,11 @@ def _attend_range(
     DOT_DTYPE: tl.constexpr,  # operand dtype of both tl.dot calls
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,  # False: the caller guarantees every key in range is visible to every row
+    WINDOWED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
-    """Online-softmax accumulation of the keys in [key_start, key_end), causal per row when MASKED."""
+    """Online-softmax accumulation of the keys in [key_start, key_end), causal (and windowed) per row when
+    MASKED; scores soft-capped (cap * tanh(score / cap)) when SOFT_CAP."""
     offs_d = tl.arange(0, HEAD_PAD)
     d_mask = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
@@ -81,8 +92,12 @@ def _attend_range(
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFT_CAP:
+            s = _tanh(s) * soft_cap
         if MASKED:
             visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len) & key_valid[None, :]
+            if WINDOWED:
+                visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -107,6 +122,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [S] int32
     num_seqs,
     qk_scale,
+    window,
+    soft_cap,
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -121,6 +138,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per inner step
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Grid (query tiles over all sequences, KV heads); causal attention of one tile over its context."""
     pid = tl.program_id(0)
@@ -155,16 +174,31 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys before the tile's first query position are visible to every row: no mask work for them.
-    unmasked_end = (context_len + q_tile * BLOCK_Q) // BLOCK_N * BLOCK_N
+    first_pos = context_len + q_tile * BLOCK_Q
+    unmasked_end = first_pos // BLOCK_N * BLOCK_N
+    band_start = 0
+    if WINDOWED:
+        # Keys before the first row's window are skipped; from the last row's window start (rounded up to a
+        # tile) to unmasked_end every row sees every key; the ragged edges before and after are masked.
+        key_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        band_start = tl.minimum(
+            (tl.maximum(context_len + last_q - window + 1, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, key_end
+        )
+        unmasked_end = tl.maximum(unmasked_end, band_start)
+        acc, m_i, l_i = _attend_range(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, key_lo, band_start, seq_len,
+            qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, True, SOFT_CAP,
+        )
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, 0, unmasked_end, seq_len, qk_scale,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False,
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, band_start, unmasked_end, seq_len,
+        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False, False, SOFT_CAP,
     )
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, unmasked_end, key_end, seq_len,
-        qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True,
+        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, WINDOWED, SOFT_CAP,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -185,6 +219,8 @@ def _split_decode_kernel(
     seq_lens_ptr,  # [S] int32
     keys_per_split,
     qk_scale,
+    window,
+    soft_cap,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -198,13 +234,17 @@ def _split_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
-    """Grid (S, Hkv, NUM_SPLITS): one decode token's GQA group over one slice of its context."""
+    """Grid (S, Hkv, NUM_SPLITS): one decode token's GQA group over one slice of its context (of its window)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     key_start = split * keys_per_split
+    if WINDOWED:
+        key_start += tl.maximum(seq_len - window, 0)
     key_end = tl.minimum(key_start + keys_per_split, seq_len)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -221,17 +261,17 @@ def _split_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    # A decode query sees its whole context: only the ragged last tile of the split needs a mask.
+    # A decode query sees its whole context (window): only the ragged last tile of the split needs a mask.
     unmasked_end = key_start + tl.maximum(key_end - key_start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, key_start, unmasked_end, seq_len,
-        qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False,
+        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False, False, SOFT_CAP,
     )
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, unmasked_end, key_end, seq_len,
-        qk_scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True,
+        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, False, SOFT_CAP,
     )
     row = (seq * (GROUP * tl.num_programs(1)) + q_head) * NUM_SPLITS + split  # [BLOCK_M] int64
     tl.store(part_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
@@ -258,7 +298,8 @@ def _split_reduce_kernel(
     m = tl.load(part_ml_ptr + (row0 + offs_s) * 2)  # [NUM_SPLITS]
     l_s = tl.load(part_ml_ptr + (row0 + offs_s) * 2 + 1)
     m_max = tl.max(m, axis=0)
-    # Empty splits carry m = -inf and weigh exactly 0; split 0 always holds key 0, so m_max is finite.
+    # Empty splits carry m = -inf and weigh exactly 0; split 0 always holds the first visible key, so m_max is
+    # finite.
     w = tl.exp2(m - m_max)
     acc = tl.load(part_acc_ptr + (row0 + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
@@ -322,6 +363,8 @@ class _Launch:
     qk_scale: float
     head_pad: int
     dot_dtype: tl.dtype
+    window: int  # 0: no sliding window
+    soft_cap: float  # cap * log2(e); 0: no soft-capping
 
     @property
     def group(self) -> int:
@@ -336,7 +379,8 @@ class _Launch:
         """The constexpr arguments both attention kernels take."""
         return dict(GROUP=self.group, HEAD_DIM=self.query.shape[2], HEAD_PAD=self.head_pad,
                     BLOCK_SIZE=self.key_cache.shape[1], DOT_DTYPE=self.dot_dtype,
-                    DOT_PRECISION="ieee" if self.dot_dtype == tl.float32 else "tf32")
+                    DOT_PRECISION="ieee" if self.dot_dtype == tl.float32 else "tf32",
+                    WINDOWED=self.window > 0, SOFT_CAP=self.soft_cap > 0)
 
     def split_decode(self, max_seqlen_k: int, num_splits: int) -> None:
         """One decode token per sequence, its context cut into num_splits (a power of two) slices, reduced."""
@@ -349,7 +393,8 @@ class _Launch:
         part_ml = torch.empty(num_seqs, num_q_heads, num_splits, 2, dtype=torch.float32, device=query.device)
         _split_decode_kernel[(num_seqs, self.key_cache.shape[2], num_splits)](
             part_acc, part_ml, query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-            keys_per_split, self.qk_scale, query.stride(0), query.stride(1), *self.strides(),
+            keys_per_split, self.qk_scale, self.window, self.soft_cap, query.stride(0), query.stride(1),
+            *self.strides(),
             BLOCK_M=max(16, triton.next_power_of_2(self.group)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
             **self.constexprs(), num_warps=4, num_stages=2,
         )
@@ -372,7 +417,8 @@ class _Launch:
         num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
         _paged_attention_kernel[(num_q_tiles, self.key_cache.shape[2])](
             out, query, self.key_cache, self.value_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-            num_seqs, self.qk_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *self.strides(),
+            num_seqs, self.qk_scale, self.window, self.soft_cap, query.stride(0), query.stride(1), out.stride(0),
+            out.stride(1), *self.strides(),
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_block_n(max_seqlen_k, self.head_pad), **self.constexprs(),
             num_warps=8 if big_tiles or (self.head_pad > 128 and not decode_only) else 4,
             num_stages=3 if big_tiles else 2,
@@ -382,6 +428,7 @@ class _Launch:
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention: the unified kernel, or the split-K decode kernels when every
     sequence decodes one token (num_splits: None = heuristic; tests force it)."""
@@ -392,13 +439,18 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     if num_tokens == 0:
         return out
-    launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale * _LOG2E,
-                     max(16, triton.next_power_of_2(query.shape[2])), _dot_dtype(key_cache.dtype))
+    # Soft-capping scales the dot products by scale / cap before tanh, and the tanh by cap in the log2 domain.
+    qk_scale = scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap
+    launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, qk_scale,
+                     max(16, triton.next_power_of_2(query.shape[2])), _dot_dtype(key_cache.dtype),
+                     sliding_window or 0, 0.0 if logits_soft_cap is None else logits_soft_cap * _LOG2E)
     decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
+    # A decode reads at most its window: split that, not the whole context.
+    decode_keys = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)
     if decode_only and num_splits is None:
-        num_splits = _num_decode_splits(num_seqs, key_cache.shape[2], max_seqlen_k, query.device)
+        num_splits = _num_decode_splits(num_seqs, key_cache.shape[2], decode_keys, query.device)
     if decode_only and num_splits > 1:
-        launch.split_decode(max_seqlen_k, triton.next_power_of_2(num_splits))
+        launch.split_decode(decode_keys, triton.next_power_of_2(num_splits))
     else:
         launch.unified(max_seqlen_q, max_seqlen_k, decode_only)
     return out
