@@ -136,18 +136,21 @@ class LoRAConfig:
 
 
 SPECULATIVE_METHODS = ("ngram",)
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_SPECULATIVE_KEYS = (
+    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`: n-gram (prompt-lookup) drafts of `num_speculative_tokens`, matched on the
-    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min` (one given sets the other)."""
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min` (one given sets the other); no
+    drafts in a step while `disable_by_batch_size` or more requests run (None: always speculate)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -156,6 +159,8 @@ class SpeculativeConfig:
                 "speculative_config.method",
             )
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        if self.disable_by_batch_size is not None:
+            _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5  # vLLM's default when neither is given
         for name in ("prompt_lookup_min", "prompt_lookup_max"):

@@ -41,7 +41,8 @@ from pagedserve.backend.engine.input_processing import (
 )
 from pagedserve.backend.engine.lora import LoRAEngineMixin, LoRARegistry
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
-from pagedserve.backend.engine.speculative import NgramSpeculator, Run, record_run
+from pagedserve.backend.engine.spec_verify import Run, sample_step
+from pagedserve.backend.engine.speculative import NgramSpeculator, record_run
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
 from pagedserve.backend.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -260,23 +261,20 @@ class LLMEngine(LoRAEngineMixin):
         logits = runner_out.sample_logits
         if batch.rows != list(range(logits.shape[0])):  # the usual case needs no copy of the [R, V] logits
             logits = logits[batch.rows]
-        logits = self.structured.apply(logits, batch.matchers)
-        sampled = self.sampler(logits, batch.requests) if batch.requests else None
-        tokens = (
-            {}
-            if sampled is None
-            else dict(zip((r.request_id for r in batch.requests), sampled.token_ids, strict=True))
-        )
-        num_accepted, runs = ({}, {}) if not runner_out.spec_logits else self.speculator.verify(
-            sched, runner_out.spec_logits, batch.requests, sampled, tokens)
-        self.scheduler.update_from_output(sched, tokens, num_accepted)
+        step = sample_step(self.sampler, self.structured, logits, batch, sched, runner_out.spec_logits)
+        sampled = None if step is None else step.sampled
+        tokens = {} if sampled is None else dict(zip((r.request_id for r in batch.requests), sampled.token_ids,
+                                                     strict=True))
+        if step is not None and step.num_drafts:
+            self.speculator.count(step.num_drafts, step.num_accepted)
+        self.scheduler.update_from_output(sched, tokens, None if step is None else step.num_accepted)
         for group, child in batch.forks:
             self.scheduler.fork_request(group.seqs[0].request.request_id, child)
             child.append_output_token_id(tokens[child.request_id])
             group.adopt(child)
             self._owner[child.request_id] = group
-        if sampled is not None:
-            self._apply_tokens(batch, sampled, runs)
+        if step is not None:
+            self._apply_tokens(batch, sampled, step.runs)
         for beam in batch.ready_beams.values():
             self._advance_beam(beam)
 
