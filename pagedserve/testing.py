@@ -39,6 +39,9 @@ _ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -75,6 +78,12 @@ _ARCH_EXTRAS: dict[str, dict[str, Any]] = {
     "qwen2": {"use_sliding_window": False},
     "qwen3": {"use_sliding_window": False, "head_dim": 32},  # head_dim != hidden_size / num_heads
     "phi3": {"sliding_window": None},
+    # The MoE families: 8 experts, top-2; Qwen2-MoE with its shared expert, Qwen3-MoE renormalising.
+    "mixtral": {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"use_sliding_window": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 96},
+    "qwen3_moe": {"use_sliding_window": False, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True},
 }
 
 

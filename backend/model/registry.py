@@ -15,6 +15,9 @@ _FAMILY_MODULES = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen_moe",
+    "Qwen3MoeForCausalLM": "qwen_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_FAMILY_MODULES))
 
