@@ -3,7 +3,7 @@
 Each entry picks its implementation per call (`dispatch.backend_for`); the engine imports them from here.
 """
 
-from pagedserve.kernels.activation import silu_and_mul
+from pagedserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.cache import copy_blocks, reshape_and_cache
 from pagedserve.kernels.lora import lora_expand_add, lora_shrink
@@ -16,6 +16,7 @@ __all__ = [
     "compute_cos_sin_cache",
     "copy_blocks",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "logsumexp",
     "lora_expand_add",
     "lora_shrink",

@@ -1,4 +1,5 @@
-"""The engine's CPU SiLU-and-mul: the native fused kernel (`silu_and_mul.cpp`) where it serves, else the reference."""
+"""The engine's CPU activations: SiLU-and-mul's native fused kernel (`silu_and_mul.cpp`) where it serves, else the
+reference; GELU(tanh)-and-mul through torch's own vectorised GELU."""
 
 from __future__ import annotations
 
@@ -22,3 +23,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
     _silu_and_mul_kernel(out.data_ptr(), x.data_ptr(), out.numel() // max(inter, 1), inter, native.dtype_code(x))
     return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """kernels.activation.gelu_tanh_and_mul: the reference (ATen's GELU kernel is already vectorised)."""
+    return reference.gelu_tanh_and_mul(x)

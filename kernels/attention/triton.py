@@ -37,8 +37,8 @@ def _find_sequence(
 
 @triton.jit
 def _tanh(x):
-    """tanh through exp2 (the interpreter and every GPU have it): saturates to +-1 without NaN."""
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    """tanh through exp2 (the interpreter and every GPU have it); the clamp keeps exp2 finite, tanh(20) is 1 in fp32."""
+    return 1.0 - 2.0 / (tl.exp2(tl.minimum(x, 20.0) * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @triton.jit

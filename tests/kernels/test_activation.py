@@ -38,3 +38,28 @@ def test_native_silu_and_mul_equals_reference(dtype):
 def test_cpu_silu_and_mul_of_an_unsupported_dtype_falls_back_to_the_reference():
     x = torch.randn(4, 16, dtype=torch.float64)
     torch.testing.assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x))
+
+
+def test_gelu_tanh_and_mul_reference_matches_transformers_gemma_activation():
+    from transformers.activations import ACT2FN
+
+    gate, up = torch.randn(3, 50) * 3, torch.randn(3, 50)
+    torch.testing.assert_close(reference.gelu_tanh_and_mul(torch.cat([gate, up], -1)),
+                               ACT2FN["gelu_pytorch_tanh"](gate) * up, atol=1e-7, rtol=3e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_triton_equals_reference(dtype):
+    x = torch.randn(4, 2 * 1100) * 4  # large |gate| too, where tanh saturates
+    x[0, :8] = torch.tensor([-30.0, -10.0, -1e-3, 0.0, 1e-3, 10.0, 30.0, 100.0])
+    x = x.to(dtype)
+    out = activation_triton.gelu_tanh_and_mul(x)
+    assert out.shape == (4, 1100)
+    torch.testing.assert_close(out, reference.gelu_tanh_and_mul(x), **triton_tol(dtype))
+
+
+def test_gelu_tanh_and_mul_dispatch_serves_the_cpu():
+    from pagedserve import kernels
+
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(kernels.gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul(x))
