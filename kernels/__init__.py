@@ -9,6 +9,7 @@ from pagedserve.kernels.cache import copy_blocks, reshape_and_cache
 from pagedserve.kernels.lora import lora_expand_add, lora_shrink
 from pagedserve.kernels.moe import fused_moe, topk_routing
 from pagedserve.kernels.norm import rms_norm
+from pagedserve.kernels.rejection import rejection_sample
 from pagedserve.kernels.rope import compute_cos_sin_cache, rotary_embedding, rotary_embedding_and_cache
 from pagedserve.kernels.sampling import logsumexp, sample_from_logits, to_float32
 
@@ -21,6 +22,7 @@ __all__ = [
     "lora_expand_add",
     "lora_shrink",
     "paged_attention",
+    "rejection_sample",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
