@@ -161,8 +161,6 @@ class SpeculativeConfig:
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 64)
         if self.disable_by_batch_size is not None:
             _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
-        if self.disable_by_batch_size is not None:
-            _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5  # vLLM's default when neither is given
         for name in ("prompt_lookup_min", "prompt_lookup_max"):

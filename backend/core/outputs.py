@@ -61,8 +61,6 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # index: draft position
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # index: draft position
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # index: draft position
     # vLLM's vllm:lora_requests_info: the adapters of running and of waiting requests, and max_loras (0: off).
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)

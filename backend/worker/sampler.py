@@ -70,10 +70,6 @@ class Sampler:
         """The generator of a seeded request once it has drawn (speculation rewinds it), else None."""
         return self._generators.get(request_id)
 
-    def generator(self, request_id: str) -> torch.Generator | None:
-        """The generator of a seeded request once it has drawn (speculation rewinds it), else None."""
-        return self._generators.get(request_id)
-
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """Sample for every row; one host sync at the end."""
         # logits: [R, V]
