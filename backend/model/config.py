@@ -41,6 +41,14 @@ class ModelArchConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Per layer, whether it attends through sliding_window (config.json's layer_types); (): every layer does.
+    sliding_layers: tuple[bool, ...] = ()
+
+    def window_of(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx`'s attention; None where it attends to its whole context."""
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[layer_idx]):
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelArchConfig:
@@ -66,13 +74,14 @@ class ModelArchConfig:
         if is_qwen2 and not raw.get("use_sliding_window", False):
             sliding = None
         eos = raw.get("eos_token_id")
+        num_layers = int(raw["num_hidden_layers"])
         return dict(
             architecture=arch,
             hidden_act=act,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
@@ -88,6 +97,7 @@ class ModelArchConfig:
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             eos_token_ids=_as_ids(eos),
             bos_token_id=raw.get("bos_token_id"),
+            sliding_layers=sliding_layers(raw, num_layers),
         )
 
     @classmethod
@@ -101,6 +111,21 @@ class ModelArchConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model folder {str(path)!r}")
         return cls.from_dict(json.loads(config_file.read_text()))
+
+
+def sliding_layers(raw: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Which layers slide: config.json's layer_types, or (Qwen2, Qwen3 without them) those from max_window_layers
+    on; () where neither is given, every layer then taking the model's sliding_window."""
+    types = raw.get("layer_types")
+    if types is None and "max_window_layers" in raw:
+        return tuple(i >= int(raw["max_window_layers"]) for i in range(num_layers))
+    if types is None:
+        return ()
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != num_layers:
+        raise UnsupportedModelError(f"layer_types must be {num_layers} of sliding_attention / full_attention; "
+                                    f"got {len(types)} with {unknown or 'no'} other types")
+    return tuple(t == "sliding_attention" for t in types)
 
 
 def _rope(raw: dict[str, Any], supported: tuple[str, ...]) -> tuple[float, dict | None]:

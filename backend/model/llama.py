@@ -36,6 +36,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.window_of(layer_idx)
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
@@ -73,7 +74,7 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata) -> torch.Tensor:  # -> [T, Hq, D]
-        """Causal attention of Q over each sequence's cached K/V."""
+        """Causal attention of Q over each sequence's cached K/V (the keys of its window, for a sliding layer)."""
         key_cache, value_cache = kv_cache
         return kernels.paged_attention(
             q,
@@ -85,6 +86,7 @@ class Attention(nn.Module):
             self.scale,
             meta.max_seqlen_q,
             meta.max_seqlen_k,
+            sliding_window=self.sliding_window,
         )
 
 

@@ -98,11 +98,6 @@ class ModelRunner:
                            "(set dtype to keep %s)", self.dtype, self.dtype, self.dtype)
             self.dtype = torch.float32
         self.block_size = cache_config.block_size
-        if self.arch.sliding_window is not None and scheduler_config.max_model_len > self.arch.sliding_window:
-            raise ValueError(
-                f"max_model_len ({scheduler_config.max_model_len}) exceeds the model's sliding_window "
-                f"({self.arch.sliding_window}); sliding-window attention is not supported"
-            )
         max_position = max(self.arch.max_position_embeddings, scheduler_config.max_model_len)
         torch.manual_seed(model_config.seed)
         self.model: LlamaForCausalLM = load_model(model_config.model, self.dtype, self.device, max_position,
