@@ -18,6 +18,7 @@ from pagedserve.kernels.rope.cos_sin import compute_cos_sin_cache
 from safetensors.torch import load_file, save_file
 
 from pagedserve.testing import make_tiny_model
+from tests.engine import test_quant_formats as quant_formats_tests
 from tests.support.engines import cpu_engine
 from tests.support.parity import assert_staggered_batch_matches_transformers, parity_prompts
 
@@ -118,6 +119,23 @@ def test_int8_on_the_fly_quantizes_every_projection_and_stays_close_to_its_dequa
     got, want = (engine.generate([prompt], params)[0].prompt_logprobs[1:] for engine in (quantized, reference))
     assert [g[t] for g, t in zip(got, prompt[1:], strict=True)] == pytest.approx(
         [w[t] for w, t in zip(want, prompt[1:], strict=True)], abs=0.1)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_phi3_quantized_checkpoint_with_fused_projections_serves_like_its_dequantized_twin(
+        tiny_phi3_longrope_path, tmp_path, monkeypatch, method):
+    # Phi-3's quantized projections are its fused qkv_proj / gate_up_proj modules themselves.
+    monkeypatch.setattr(quant_formats_tests, "PROJECTIONS", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    path = quant_formats_tests._write_checkpoint(tiny_phi3_longrope_path, tmp_path / "model", method, 4, 32)
+    engine, twin = cpu_engine(path, num_blocks=32), cpu_engine(path.with_suffix(".ref"), num_blocks=32)
+    assert sum(isinstance(m, QuantizedLinear) for m in engine.runner.model.modules()) == 4 * 2
+    ref = load_file(str(path.with_suffix(".ref") / "model.safetensors"))
+    assert torch.equal(engine.runner.model.layers[1].self_attn.qkv_proj.weight.dequantize(),
+                       ref["model.layers.1.self_attn.qkv_proj.weight"])
+    prompt = parity_prompts(engine.vocab_size)[5]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    got, want = (e.generate([prompt], params)[0].prompt_logprobs[1:] for e in (engine, twin))
+    assert max(abs(g[t] - w[t]) for g, w, t in zip(got, want, prompt[1:], strict=True)) < 0.1
 
 
 def test_unknown_architecture_names_it_and_lists_the_supported_ones(tiny_qwen3_path, tmp_path):
