@@ -64,7 +64,15 @@ def tiny_phi3_partial_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            config_extras={"original_max_position_embeddings": 128, "partial_rotary_factor": 0.75})
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_path", "tiny_phi3_longrope_path", "tiny_phi3_partial_path"])
+@pytest.fixture(scope="module")
+def tiny_phi3_window_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Phi-3 sliding over 6 tokens in every layer, as Phi-3-mini-4k slides over 2047."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-phi3-window"), "phi3", seed=14, random_norms=True,
+                           config_extras={"sliding_window": 6})
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3_path", "tiny_phi3_longrope_path", "tiny_phi3_partial_path",
+                                           "tiny_phi3_window_path"])
 def test_staggered_batch_matches_transformers_greedy_per_prompt(model_fixture, request, hf_reference):
     assert_staggered_batch_matches_transformers(request.getfixturevalue(model_fixture), hf_reference)
 
