@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.backend.core.config import QUANTIZATIONS
+from pagedserve.client.lora_options import add_lora_arguments, lora_modules, lora_parameters, lora_shim_flags
 from pagedserve.client.model_repository import (  # noqa: F401 - launcher's names for its callers
     DEFAULT_MODEL_REPOSITORY,
     LLM_MODEL_NAME,
@@ -271,7 +272,8 @@ def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: st
     if args.no_openai or importlib.util.find_spec(OPENAI_MODULE) is None:
         return None
     return spawn_openai_shim(server.grpc_url, server.metrics_url, args.host, args.openai_port, "--model", model,
-                             *_tool_flags(args), start_new_session=True, preexec_fn=_die_with_parent)
+                             *_tool_flags(args), *lora_shim_flags(args), start_new_session=True,
+                             preexec_fn=_die_with_parent)
 
 
 def _tool_flags(args: argparse.Namespace) -> list[str]:
@@ -430,6 +432,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
+    add_lora_arguments(parser)
 
 
 def llm_instances(args: argparse.Namespace) -> tuple[int, str | None] | None:
@@ -450,6 +453,7 @@ def run(args: argparse.Namespace) -> int:
         params["quantization"] = args.quantization
     if args.speculative_config is not None:
         params["speculative_config"] = args.speculative_config  # checked by the engine at load
+    params.update(lora_parameters(args))
     model = args.model
     if model is None:
         from pagedserve.backend.worker.default_model import ensure_default_model
@@ -460,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedserve-serve-") as tmp:
         work_dir = Path(tmp)
         repository = prepare_model_repository(args.model_repository, work_dir / "models", model, params,
-                                              llm_instances(args))
+                                              llm_instances(args), lora_modules(args))
         server = TritonServer(
             repository,
             work_dir=work_dir,

@@ -3,6 +3,7 @@ engine parameters and the llm model's instance_group filled into its config.pbtx
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # Parameter keys filled with the model path in every model of the repository that declares them.
 MODEL_PATH_KEYS = ("model", "tokenizer")
 LLM_MODEL_NAME = "llm"
+MULTI_LORA_FILE = "multi_lora.json"  # the same as backend/triton/lora.py's
 
 
 def fill_parameters(config_text: str, values: Mapping[str, str], *, strict: bool = False) -> str:
@@ -59,13 +61,27 @@ def set_instance_group(config_text: str, count: int, kind: str | None = None) ->
     return config_text[:span[0]] + group + config_text[span[1]:]
 
 
+def write_multi_lora(version_dir: Path, adapters: Mapping[str, str]) -> None:
+    """Add `adapters` (name -> folder) to the llm model's multi_lora.json, the file Triton's vLLM backend reads
+    beside its model; a name the file already has is refused."""
+    path = version_dir / MULTI_LORA_FILE
+    entries = json.loads(path.read_text()) if path.exists() else {}
+    for name in adapters:
+        if name in entries:
+            raise ValueError(f"--lora {name}: {path} already has an adapter of that name")
+    path.write_text(json.dumps({**entries, **adapters}, indent=2) + "\n")
+
+
 def prepare_model_repository(
     source: Path, target: Path, model: str | None, llm_params: Mapping[str, str] | None = None,
-    llm_instances: tuple[int, str | None] | None = None,
+    llm_instances: tuple[int, str | None] | None = None, lora_adapters: Mapping[str, str] | None = None,
 ) -> Path:
-    """Copy the repository to `target`, filling the model path and the llm engine parameters, and with
-    `llm_instances` = (count, kind or None) the llm model's instance_group (set_instance_group)."""
+    """Copy the repository to `target`, filling the model path and the llm engine parameters, with
+    `llm_instances` = (count, kind or None) the llm model's instance_group (set_instance_group), and with
+    `lora_adapters` (name -> folder) its multi_lora.json."""
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    if lora_adapters:
+        write_multi_lora(target / LLM_MODEL_NAME / "1", lora_adapters)
     paths = {key: model for key in MODEL_PATH_KEYS} if model else {}
     if model:
         paths["tokenizer"] = str(tokenizer_folder(model))

@@ -204,6 +204,29 @@ class TritonLLMClient:
             await _end_stream(call, request_ended)
 
 
+    async def lora_control(self, control: dict) -> dict:
+        """Send one lora_control request ({"action": "list" | "load" | "unload", ...}) and return its answer,
+        {"message": ..., "lora_adapters": {name: folder}}; errors as generate() raises them."""
+        array = np.array([json.dumps(control).encode("utf-8")], dtype=np.object_)
+        tensor = grpcclient.InferInput("lora_control", [1], "BYTES")
+        tensor.set_data_from_numpy(array)
+
+        async def requests():
+            yield {"model_name": self.model_name, "inputs": [tensor]}
+
+        call = self._client.stream_infer(requests())
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise TritonRequestError(_strip_prefix(str(error)))
+                return json.loads(_decode(result.as_numpy("text_output").reshape(-1)[0]))
+        except grpc.aio.AioRpcError as error:
+            raise TritonUnavailableError(f"tritonserver at {self.url}: {error.details()}") from error
+        finally:
+            await _end_stream(call, True)
+        raise TritonUnavailableError(f"tritonserver at {self.url} ended a lora_control stream without an answer")
+
+
 async def _end_stream(call: Any, request_ended: bool) -> None:
     """End a stream_infer() call: read it to its end once its request has ended (at most
     STREAM_END_TIMEOUT_SECONDS), else cancel it, which cancels the request if it still runs on the server."""

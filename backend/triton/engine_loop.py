@@ -10,14 +10,17 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 from pagedserve.backend.core.errors import ErrorKind, ShuttingDownError
 from pagedserve.backend.core.outputs import RequestOutput
+from pagedserve.backend.triton.lora import run_lora_control
 from pagedserve.backend.triton.messages import (
     Cancel,
+    ControlRequest,
     CountStepFailure,
     Fence,
     GrammarReady,
     InboxItem,
     InFlight,
     SendCancelled,
+    SendControl,
     SendError,
     SendOutput,
     Sent,
@@ -88,6 +91,8 @@ class EngineLoop:
                     self._end_all()
                 elif isinstance(item, Cancel):
                     self._abort(item.request_id)
+                elif isinstance(item, ControlRequest):
+                    self._control(item)
                 elif isinstance(item, GrammarReady):
                     request = self._compiling.pop(item.request_id, None)
                     if request is not None:  # else it was cancelled or ended meanwhile
@@ -167,6 +172,16 @@ class EngineLoop:
             self._watch.put(request)
         if self.fault_marker and inputs.prompt and self.fault_marker in inputs.prompt:
             self._fault_ids.add(request.request_id)
+
+    def _control(self, item: ControlRequest) -> None:
+        """Run a lora_control between steps (a load blocks them for as long as it reads the adapter)."""
+        try:
+            answer = run_lora_control(self.engine, item.control)
+        except Exception as error:  # noqa: BLE001 - a refused or failed load is this request's error response
+            self._outbox.put(SendControl(item.sender, error=error))
+            return
+        self._outbox.put(SendControl(item.sender, answer))
+        self._outbox.put(UpdateStats(self.engine.get_stats()))
 
     def _abort(self, request_id: str) -> None:
         """Abort a request the client cancelled, unless it already ended."""
@@ -251,6 +266,8 @@ class EngineLoop:
                 break
             if isinstance(item, InFlight):
                 pending.append(item)
+            elif isinstance(item, ControlRequest):
+                self._outbox.put(SendControl(item.sender, error=error))
             elif isinstance(item, Stop):
                 self.inbox.put(item)  # for the loop, which ends after this
                 break

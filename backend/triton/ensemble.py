@@ -140,6 +140,9 @@ def row_sampling_parameters(inputs: RowInputs, row: int) -> dict[str, Any]:
     structured = row_structured_outputs(inputs, row)
     if structured is not None:
         settings["structured_outputs"] = structured
+    lora_name = next(iter(inputs.strings("lora_name", row)), "")
+    if lora_name:  # an empty one pads the rows of a batch that run on the base model
+        settings["lora_name"] = lora_name
     SamplingParams.from_dict(settings)
     return settings
 

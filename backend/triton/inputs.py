@@ -124,9 +124,10 @@ def _timeout_seconds(request: Any, kserve: dict[str, Any]) -> float | None:
     return micros / 1e6 if micros else None
 
 
-def parse_llm_request(request: Any) -> LLMRequestInputs:
-    """Read and validate one `llm` request; InvalidRequestError names the offending field."""
-    inputs = input_tensors(request)
+def parse_llm_request(request: Any, tensors: dict[str, Any] | None = None) -> LLMRequestInputs:
+    """Read and validate one `llm` request (its input_tensors when already read); InvalidRequestError names the
+    offending field."""
+    inputs = input_tensors(request) if tensors is None else tensors
     prompt = string_input(inputs, "text_input", MAX_PROMPT_BYTES)
     ids_tensor = inputs.get("input_ids")
     prompt_token_ids = [int(t) for t in ids_tensor.as_numpy().reshape(-1)] if ids_tensor is not None else None

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -19,14 +20,15 @@ from pagedserve.backend.core.errors import ShuttingDownError
 from pagedserve.backend.triton.cancel_watcher import CancelWatcher
 from pagedserve.backend.triton.encoding import OutputEncoder
 from pagedserve.backend.triton.engine_loop import SHUTTING_DOWN, EngineLoop
-from pagedserve.backend.triton.inputs import parse_llm_request
+from pagedserve.backend.triton.inputs import input_tensors, parse_llm_request
 from pagedserve.backend.triton.instances import (
     Instance,
     instance_device,
     instance_engine_kwargs,
     machine_cores,
 )
-from pagedserve.backend.triton.messages import InFlight, Stop
+from pagedserve.backend.triton.lora import CONTROL_INPUT, control_request, lora_engine_kwargs, model_instances
+from pagedserve.backend.triton.messages import ControlRequest, InFlight, Stop
 from pagedserve.backend.triton.metrics import EngineMetrics
 from pagedserve.backend.triton.responses import FINAL, Outbox, ResponseThread
 from pagedserve.backend.triton.settings import (
@@ -61,7 +63,10 @@ class TritonPythonModel:
         parameters = config.get("parameters", {})
         instance = Instance.from_args(args, config)
         self._model_path, self._engine_kwargs = self._instance_arguments(parameters, instance)
-        settings = ModelSettings.from_parameters(parameters)
+        self._engine_kwargs = lora_engine_kwargs(self._engine_kwargs,
+                                                 Path(args["model_repository"]) / args["model_version"])
+        self._instances = model_instances(config)
+        self._settings = settings = ModelSettings.from_parameters(parameters)
         self._ids = itertools.count()
         self._finalizing = False
         self._outbox = Outbox(settings.response_threads)
@@ -107,7 +112,12 @@ class TritonPythonModel:
                 sender.send(error_response(ShuttingDownError(SHUTTING_DOWN)), flags=FINAL)
                 continue
             try:
-                inputs = parse_llm_request(request)
+                tensors = input_tensors(request)
+                if CONTROL_INPUT in tensors:
+                    control = control_request(tensors, self._settings.lora_runtime_updates, self._instances)
+                    self._loop.inbox.put(ControlRequest(sender, control))
+                    continue
+                inputs = parse_llm_request(request, tensors)
             except Exception as error:  # noqa: BLE001 - INVALID_ARG for bad input, INTERNAL otherwise
                 sender.send(error_response(error), flags=FINAL)
                 continue

@@ -1,7 +1,8 @@
 """What the llm model's threads hand each other: the in-flight request, and typed messages.
 
-execute() -> engine loop (the inbox): an InFlight request, Cancel (from the cancel watcher), Unloading, Stop.
-engine loop -> response senders (the outbox): SendOutput, SendError, SendCancelled, UpdateStats,
+execute() -> engine loop (the inbox): an InFlight request, a ControlRequest, Cancel (from the cancel watcher),
+Unloading, Stop.
+engine loop -> response senders (the outbox): SendOutput, SendError, SendCancelled, SendControl, UpdateStats,
 CountStepFailure, and the Sent / Fence markers that order sends across response threads.
 engine loop -> cancel watcher: the InFlight requests to watch, None to stop.
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 from pagedserve.backend.core.outputs import EngineStats, RequestOutput
 from pagedserve.backend.triton.inputs import LLMRequestInputs
+from pagedserve.backend.triton.lora import LoRAControl
 
 
 @dataclass
@@ -66,7 +68,15 @@ class Stop:
     """finalize(): end what is in flight and leave the loop."""
 
 
-InboxItem = InFlight | Cancel | GrammarReady | Unloading | Stop
+@dataclass(frozen=True)
+class ControlRequest:
+    """A lora_control request (backend/triton/lora.py): run on the engine thread, answered with one response."""
+
+    sender: Any  # pb_utils.InferenceResponseSender
+    control: LoRAControl
+
+
+InboxItem = InFlight | ControlRequest | Cancel | GrammarReady | Unloading | Stop
 
 
 # ---- outbox: to the response senders
@@ -115,6 +125,15 @@ class SendCancelled:
 
 
 @dataclass(frozen=True)
+class SendControl:
+    """End a lora_control request with its answer (a JSON object) or its error."""
+
+    sender: Any
+    answer: dict | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
 class UpdateStats:
     """Publish the engine's gauges and counters."""
 
@@ -140,4 +159,4 @@ class Fence:
     latch: Latch
 
 
-OutboxItem = SendOutput | SendError | SendCancelled | UpdateStats | CountStepFailure | Sent | Fence
+OutboxItem = SendOutput | SendError | SendCancelled | SendControl | UpdateStats | CountStepFailure | Sent | Fence

@@ -5,6 +5,7 @@ which the thread holds no GIL, so several threads can overlap theirs (config.pbt
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 from typing import Any
@@ -19,6 +20,7 @@ from pagedserve.backend.triton.messages import (
     Latch,
     OutboxItem,
     SendCancelled,
+    SendControl,
     SendError,
     SendOutput,
     Sent,
@@ -26,7 +28,7 @@ from pagedserve.backend.triton.messages import (
 )
 from pagedserve.backend.triton.metrics import EngineMetrics
 from pagedserve.backend.triton.settings import FENCE_TIMEOUT_SECONDS
-from pagedserve.backend.triton.tensors import error_response
+from pagedserve.backend.triton.tensors import error_response, string_tensor
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -106,6 +108,10 @@ class ResponseThread:
         elif isinstance(item, SendCancelled):
             send_final(item.request, pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
                 "the request was cancelled", pb_utils.TritonError.CANCELLED)))
+        elif isinstance(item, SendControl):
+            response = (error_response(item.error) if item.error is not None else pb_utils.InferenceResponse(
+                output_tensors=[string_tensor("text_output", [json.dumps(item.answer)])]))
+            item.sender.send(response, flags=FINAL)
         elif isinstance(item, UpdateStats):
             self._metrics.update(item.stats)
         elif isinstance(item, CountStepFailure):

@@ -43,12 +43,22 @@ FAULT_MARKER_ENV = "PAGEDSERVE_TEST_FAULT_MARKER"
 # pb_utils.is_model_ready (Triton 2.51's answer "server not ready" to that call can crash the stub).
 HEALTH_URL_ENV = "PAGEDSERVE_TRITON_READY_URL"
 
+LORA_RUNTIME_UPDATES_PARAMETER = "enable_lora_runtime_updates"
+
 _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-                   "max_model_len", "max_num_waiting", "seed", "cpu_threads")
+                   "max_model_len", "max_num_waiting", "seed", "cpu_threads", "max_loras", "max_lora_rank",
+                   "max_cpu_loras")
 _FLOAT_PARAMETERS = ("gpu_memory_utilization",)
-_BOOL_PARAMETERS = ("enable_prefix_caching",)
+_BOOL_PARAMETERS = ("enable_prefix_caching", "enable_lora")
 _STRING_PARAMETERS = ("dtype", "device", "speculative_config")  # speculative_config: JSON the engine checks
 _CHOICE_PARAMETERS = {"scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS}
+
+
+def _bool_value(raw: str) -> bool:
+    """A config.pbtxt boolean ("true"/"false"/"1"/"0", any case); ValueError otherwise."""
+    if raw.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(raw)
+    return raw.lower() in ("true", "1")
 
 
 def _engine_value(key: str, raw: str) -> Any:
@@ -58,9 +68,7 @@ def _engine_value(key: str, raw: str) -> Any:
     if key in _FLOAT_PARAMETERS:
         return float(raw)
     if key in _BOOL_PARAMETERS:
-        if raw.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(raw)
-        return raw.lower() in ("true", "1")
+        return _bool_value(raw)
     if key in _CHOICE_PARAMETERS and raw not in _CHOICE_PARAMETERS[key]:
         raise ValueError(raw)
     return raw
@@ -96,6 +104,15 @@ def model_number_parameter(parameters: dict[str, dict], key: str, default: float
     return value
 
 
+def model_bool_parameter(parameters: dict[str, dict], key: str) -> bool:
+    """A boolean parameter of the llm model itself, false when empty."""
+    raw = parameters.get(key, {}).get("string_value", "").strip()
+    try:
+        return bool(raw) and _bool_value(raw)
+    except ValueError:
+        raise ValueError(f"config.pbtxt parameter {key} must be true or false, got {raw!r}") from None
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """The llm model's own parameters, read once at initialize()."""
@@ -104,6 +121,8 @@ class ModelSettings:
     admission_window: float = ADMISSION_WINDOW_MS / 1e3  # seconds
     admission_fraction: float = ADMISSION_WINDOW_STEP_FRACTION
     response_threads: int = RESPONSE_THREADS
+    # Load and unload LoRA adapters on a `lora_control` request (backend/triton/lora.py); listing is always on.
+    lora_runtime_updates: bool = False
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, dict]) -> ModelSettings:
@@ -116,4 +135,5 @@ class ModelSettings:
             admission_fraction=model_number_parameter(parameters, "admission_window_step_fraction",
                                                       ADMISSION_WINDOW_STEP_FRACTION),
             response_threads=int(threads),
+            lora_runtime_updates=model_bool_parameter(parameters, LORA_RUNTIME_UPDATES_PARAMETER),
         )

@@ -1,7 +1,7 @@
 """The FastAPI application: routes only; each generation endpoint is a `Generation` subclass.
 
 `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE streaming as OpenAI frames it), vLLM's
-`/tokenize` and `/detokenize`, `/health`, and `/metrics` passed through from Triton; every error answers in OpenAI's JSON shape.
+`/tokenize`, `/detokenize`, `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, `/health`, and `/metrics` passed through from Triton; every error answers in OpenAI's JSON shape.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, bad_request, triton_api_error
 from pagedserve.client.openai.generation import Generation
+from pagedserve.client.openai.lora import load_lora_adapter, unload_lora_adapter
 from pagedserve.client.openai.serving_chat import ChatGeneration
 from pagedserve.client.openai.serving_completion import CompletionGeneration
 from pagedserve.client.openai.serving_tokens import detokenize, tokenize
@@ -53,11 +54,17 @@ def create_app(settings: ShimSettings) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized)
     async def get_model(model_id: str) -> dict:
-        shim.check_model(model_id)
-        return next(card for card in await shim.model_cards() if card["id"] == model_id)
+        adapter = await shim.resolve_model(model_id)
+        if adapter is None:
+            return next(card for card in await shim.model_cards() if card["id"] == model_id)
+        return shim.adapters.card(model_id, adapter, shim.model_name, shim.created, await shim.max_model_len())
 
     for path, handler in (("/tokenize", tokenize), ("/detokenize", detokenize)):
         app.add_api_route(path, _json_route(shim, handler), methods=["POST"], dependencies=authorized,
+                          name=handler.__name__)
+    for path, handler in (("/v1/load_lora_adapter", load_lora_adapter),
+                          ("/v1/unload_lora_adapter", unload_lora_adapter)):
+        app.add_api_route(path, _text_route(shim, handler), methods=["POST"], dependencies=authorized,
                           name=handler.__name__)
 
     for path, endpoint in ENDPOINTS.items():
@@ -127,6 +134,14 @@ def _json_route(shim: OpenAIShim, handler: Callable[[OpenAIShim, dict], Awaitabl
                 ) -> Callable[[Request], Awaitable[Response]]:
     async def route(request: Request) -> Response:
         return JSONResponse(await handler(shim, await _read_json(request, shim.settings.max_body_bytes)))
+
+    return route
+
+
+def _text_route(shim: OpenAIShim, handler: Callable[[OpenAIShim, dict], Awaitable[str]]
+                ) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        return PlainTextResponse(await handler(shim, await _read_json(request, shim.settings.max_body_bytes)))
 
     return route
 

@@ -57,6 +57,9 @@ def triton_api_error(error: Exception, renames: dict[str, str] | None = None) ->
     wire = from_wire(str(error))
     if wire is None:
         return APIError(503, str(error), code="triton_error")
+    if wire.kind is ErrorKind.INVALID_ARGUMENT and wire.field == "lora_name":
+        # The adapter the `model` field named is not (or no longer) served: vLLM's unknown model.
+        return APIError(404, wire.message, "model", "model_not_found")
     if wire.kind is ErrorKind.INVALID_ARGUMENT:
         return refusal(wire.message, wire.field, renames or {})
     status, code = _STATUS_AND_CODE[wire.kind]

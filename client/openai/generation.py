@@ -63,7 +63,9 @@ class Generation(ABC):
     async def create(cls, shim: OpenAIShim, body: dict) -> Generation:
         """The answer to `body`: parsed, its model checked, its llm prompts ready to send."""
         request = cls.parse(body)
-        shim.check_model(request.model)
+        lora_name = await shim.resolve_model(request.model)
+        if lora_name is not None:
+            request.sampling["lora_name"] = lora_name
         request.prompts = await cls.llm_prompts(shim, request)
         return cls(shim, request)
 

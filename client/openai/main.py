@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedserve.client.openai.lora import (
+    RUNTIME_UPDATES_ENV,
+    RUNTIME_UPDATES_FLAG,
+    LoRASettings,
+    runtime_updates_from_env,
+)
 from pagedserve.client.openai.shim import DEFAULT_MAX_BODY_BYTES, ShimSettings
 from pagedserve.client.openai.tool_parsers import TOOL_PARSERS
 from pagedserve.client.openai.tools import ToolSettings
@@ -29,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--log-level", default="warning")
     add_tool_arguments(parser)
+    parser.add_argument(RUNTIME_UPDATES_FLAG, action="store_true", default=runtime_updates_from_env(),
+                        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                             f"${RUNTIME_UPDATES_ENV}, as vLLM reads it)")
+    parser.add_argument("--lora-separator", default=None, metavar="SEP",
+                        help="a model name MODEL<SEP>ADAPTER names a LoRA adapter too (Triton's OpenAI frontend)")
 
 
 def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_url=args.metrics_url,
         max_body_bytes=args.max_body_bytes,
         tools=tool_settings(args),
+        lora=LoRASettings(args.enable_lora_runtime_updates, args.lora_separator or None),
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
     return 0

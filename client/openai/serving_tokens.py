@@ -17,7 +17,7 @@ async def tokenize(shim: OpenAIShim, body: dict) -> dict:
     """{count, max_model_len, tokens[, token_strs]} of a prompt, or of messages (and tools) rendered by the
     template."""
     refuse_unknown_fields(body, TOKENIZE_FIELDS)
-    shim.check_model(model_field(body))
+    await shim.resolve_model(model_field(body))  # an adapter's tokenizer is the base model's
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
     if "prompt" in body:
@@ -42,7 +42,7 @@ async def tokenize(shim: OpenAIShim, body: dict) -> dict:
 async def detokenize(shim: OpenAIShim, body: dict) -> dict:
     """{prompt} of token ids."""
     refuse_unknown_fields(body, {"model", "tokens"})
-    shim.check_model(model_field(body))
+    await shim.resolve_model(model_field(body))  # an adapter's tokenizer is the base model's
     tokens = body.get("tokens")
     if (not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
             or not all(0 <= t <= MAX_TOKEN_ID for t in tokens)):

@@ -13,6 +13,7 @@ from typing import Any
 from pagedserve.client.model_repository import tokenizer_folder
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError, bad_request
+from pagedserve.client.openai.lora import AdapterRegistry, LoRASettings
 from pagedserve.client.openai.protocol import GenerationRequest
 from pagedserve.client.openai.tools import ToolSettings
 from pagedserve.client.triton_client import LLMResponse, TritonLLMClient, TritonUnavailableError
@@ -32,6 +33,7 @@ class ShimSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     aliases: tuple[str, ...] = ()  # more names the model answers to (vLLM's several --served-model-name)
     tools: ToolSettings = field(default_factory=ToolSettings)
+    lora: LoRASettings = field(default_factory=LoRASettings)
 
 
 class OpenAIShim:
@@ -46,6 +48,7 @@ class OpenAIShim:
         self._chat_template: ChatTemplate | None = None
         self._tokenizer: Any = None
         self._max_model_len: int | None = None
+        self.adapters = AdapterRegistry(settings.lora)
 
     @property
     def client(self) -> TritonLLMClient:
@@ -123,11 +126,20 @@ class OpenAIShim:
         if name not in self.served_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
+    async def resolve_model(self, name: str) -> str | None:
+        """The LoRA adapter a request's `model` names (None for the base model); 404 model_not_found when the
+        name is neither a served name nor an adapter of the llm model."""
+        if name in self.served_names:
+            return None
+        return await self.adapters.resolve(self.client, name, self.served_names)
+
     async def model_cards(self) -> list[dict]:
-        """Each served name as /v1/models lists it (vLLM's card, with max_model_len)."""
+        """Each served name as /v1/models lists it (vLLM's card, with max_model_len), then each LoRA adapter."""
         max_len = await self.max_model_len()
-        return [{"id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
-                 "root": self.model_name, "parent": None, "max_model_len": max_len} for name in self.served_names]
+        await self.adapters.refresh(self.client)
+        return [*({"id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                   "root": self.model_name, "parent": None, "max_model_len": max_len} for name in self.served_names),
+                *self.adapters.cards(self.model_name, self.created, max_len)]
 
     def triton_streams(self, request: GenerationRequest, request_id: str) -> list[AsyncIterator[LLMResponse]]:
         """One `llm` request per prompt."""
