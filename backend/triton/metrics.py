@@ -27,6 +27,7 @@ _GAUGES = {
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."),
 }
 STEP_FAILURES_METRIC = "pagedserve:engine_step_failures_total"
+ACCEPTED_PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 _HISTOGRAMS = {
     "ttft": ("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token."),
     "itl": ("vllm:inter_token_latency_seconds", "Time between two generated tokens of one request."),
@@ -72,6 +73,7 @@ class EngineMetrics:
                                          description="Engine steps that raised; their requests ended with an error.")
         self._families.append(failures)
         self._step_failures = failures.Metric(labels=labels)
+        self._accepted_per_pos = AcceptedPerPosition(labels)
 
     def close(self) -> None:
         """Delete the metrics now, while the stub still talks to the server: left to the interpreter's exit,
@@ -81,6 +83,7 @@ class EngineMetrics:
             self._gauges.clear()
             self._histograms.clear()
             self._step_failures = None
+            self._accepted_per_pos.close()
             self._families.clear()
 
     def update(self, stats: Any) -> None:
@@ -99,6 +102,7 @@ class EngineMetrics:
             if value > self._last_counts[field]:
                 counter.increment(value - self._last_counts[field])
                 self._last_counts[field] = value
+        self._accepted_per_pos.update(stats.spec_decode_num_accepted_tokens_per_pos)
 
     def count_step_failure(self) -> None:
         """One engine step failed (its requests were ended with an error)."""
@@ -108,3 +112,31 @@ class EngineMetrics:
         """Record one latency sample: `histogram` is "ttft", "itl" or "e2e"."""
         with _LOCK:
             self._histograms[histogram].observe(seconds)
+
+
+class AcceptedPerPosition:
+    """vLLM's vllm:spec_decode_num_accepted_tokens_per_pos counter: drafts accepted at each draft position,
+    one sample per position label (0 first), made when the engine first reports that position."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self._labels = labels
+        self._family: Any = None
+        self._samples: list[Any] = []
+        self._last: list[int] = []
+
+    def update(self, counts: list[int]) -> None:
+        if counts and self._family is None:
+            self._family = pb_utils.MetricFamily(
+                name=ACCEPTED_PER_POS_METRIC, kind=pb_utils.MetricFamily.COUNTER,
+                description="Draft tokens accepted at each draft position.")
+        for position, value in enumerate(counts):
+            if position == len(self._samples):
+                self._samples.append(self._family.Metric(labels={**self._labels, "position": str(position)}))
+                self._last.append(0)
+            if value > self._last[position]:
+                self._samples[position].increment(value - self._last[position])
+                self._last[position] = value
+
+    def close(self) -> None:
+        self._samples.clear()
+        self._family = None

@@ -153,6 +153,7 @@ def test_json_text_config_is_taken_as_a_dict():
          "speculative_config.prompt_lookup_min"),
         ({"num_speculative_tokens": 3, "prompt_lookup_max": 0}, "speculative_config.prompt_lookup_max"),
         ({"num_speculative_tokens": 3, "lookahead": 1}, "speculative_config.lookahead"),
+        ({"num_speculative_tokens": 3, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
         ("{not json", "speculative_config"),
         ([3], "speculative_config"),
     ],

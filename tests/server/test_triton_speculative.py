@@ -1,9 +1,11 @@
 """Speculative decoding through tritonserver: a server with n-gram speculation streams, for greedy requests,
-the same text as the session's plain server, and the vLLM spec-decode counters move."""
+the same text as the session's plain server, and the vLLM spec-decode counters move (the accepted count per
+draft position too)."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -42,3 +44,9 @@ def test_speculative_streams_equal_the_plain_servers_and_the_counters_move(specu
     assert speculative_server.metric("vllm:spec_decode_num_accepted_tokens_total") > 0
     assert triton_server.metric("vllm:spec_decode_num_drafts_total") == 0
     speculative_server.wait_idle()
+    text = speculative_server.metrics_text()
+    per_pos = {int(pos): float(value) for pos, value in re.findall(
+        r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\}\s+(\S+)$', text, re.M)}
+    assert sorted(per_pos) == list(range(SPECULATIVE["num_speculative_tokens"]))
+    assert sum(per_pos.values()) == speculative_server.metric("vllm:spec_decode_num_accepted_tokens_total")
+    assert per_pos[0] >= per_pos[1] >= per_pos[2] and per_pos[0] > 0
