@@ -42,6 +42,8 @@ _ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -84,6 +86,14 @@ _ARCH_EXTRAS: dict[str, dict[str, Any]] = {
                   "shared_expert_intermediate_size": 96},
     "qwen3_moe": {"use_sliding_window": False, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # Gemma: an attention scale that is not head_dim ** -0.5, a window of 8 (shorter than most test prompts),
+    # caps small enough to bend this model's scores and logits; Gemma 3 with a global layer every second one and
+    # its two rope bases (these rope_parameters replace the rope_theta / rope_scaling arguments).
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 5.0,
+               "final_logit_softcapping": 10.0},
+    "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "sliding_window_pattern": 2,
+               "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
 }
 
 
@@ -143,7 +153,7 @@ def make_tiny_model(
     if rope_scaling:
         rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
     config_cls_name, model_cls_name = _ARCHITECTURES[arch]
-    config = getattr(transformers, config_cls_name)(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -157,8 +167,9 @@ def make_tiny_model(
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=eot_id,
-        **{**_ARCH_EXTRAS.get(arch, {}), **(config_extras or {})},
     )
+    settings.update({**_ARCH_EXTRAS.get(arch, {}), **(config_extras or {})})
+    config = getattr(transformers, config_cls_name)(**settings)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls_name)(config)
     _widen_init(model, random_norms)

@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.window_of(layer_idx)
+        self.logits_soft_cap: float | None = None  # Gemma 2 caps its scores
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
@@ -87,6 +88,7 @@ class Attention(nn.Module):
             meta.max_seqlen_q,
             meta.max_seqlen_k,
             sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )
 
 

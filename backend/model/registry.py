@@ -18,6 +18,8 @@ _FAMILY_MODULES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen_moe",
     "Qwen3MoeForCausalLM": "qwen_moe",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_FAMILY_MODULES))
 
