@@ -15,6 +15,7 @@ from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import ModelArchConfig, UnsupportedModelError
 from pagedserve.backend.model.llama import MLP
 from pagedserve.backend.model.moe import SparseMoeBlock
+from pagedserve.backend.model.quantized import QuantizedLinear
 from safetensors.torch import load_file, save_file
 
 from pagedserve import kernels
@@ -130,6 +131,15 @@ def test_top_k_above_the_number_of_experts_is_refused(tiny_qwen3_moe_path):
     config = json.loads((tiny_qwen3_moe_path / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok 9 must be in 1..8"):
         ModelArchConfig.from_dict({**config, "num_experts_per_tok": 9})
+
+
+def test_int8_at_load_quantizes_attention_and_shared_expert_and_keeps_the_experts(tiny_qwen2_moe_path):
+    engine = cpu_engine(tiny_qwen2_moe_path, quantization="int8", num_blocks=16)
+    block = engine.runner.model.layers[0].mlp
+    assert isinstance(engine.runner.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert isinstance(block.shared_expert.gate_up_proj, QuantizedLinear)
+    assert block.experts.w13.dtype == torch.float32
+    assert len(engine.generate([parity_prompts(64)[0]], greedy(3))[0].outputs[0].token_ids) == 3
 
 
 def _edit_tensors(source: Path, target: Path, edit) -> Path:
