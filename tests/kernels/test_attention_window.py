@@ -159,3 +159,49 @@ def test_dispatch_refuses_a_window_or_cap_that_is_not_positive(field, value):
     batch = make_batch(DECODES, 1, 1, 16, 16)
     with pytest.raises(ValueError, match=field):
         kernels.paged_attention(*batch.args(), **{field: value})
+
+
+# Runs in a fresh interpreter (the kernels here were decorated for the interpreter and cannot compile).
+_AOT_SCRIPT = """
+import json, torch
+from pagedserve.kernels.attention import triton as attention_triton
+from pagedserve.kernels.aot import compile_launch, record_launches
+
+def batch(lens, hq=16, hkv=8, d=256, bs=16):
+    blocks = sum(-(-k // bs) for _, k in lens)
+    cache = torch.zeros(blocks, bs, hkv, d, dtype=torch.bfloat16)
+    tables = torch.arange(blocks, dtype=torch.int32)[None].expand(len(lens), -1).contiguous()
+    q_lens = torch.tensor([q for q, _ in lens])
+    cu = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int()
+    query = torch.zeros(int(q_lens.sum()), hq, d, dtype=torch.bfloat16)
+    return (query, cache, cache, tables, cu, torch.tensor([k for _, k in lens], dtype=torch.int32), 0.0625,
+            int(q_lens.max()), max(k for _, k in lens))
+
+gemma2 = dict(sliding_window=4096, logits_soft_cap=50.0)
+with record_launches(attention_triton) as launches:
+    attention_triton.paged_attention(*batch([(1, 8192)] * 2), **gemma2)  # windowed, capped decode
+    attention_triton.paged_attention(*batch([(1, 8192)] * 2), **gemma2, num_splits=4)  # split over the window
+    attention_triton.paged_attention(*batch([(512, 8192), (1, 700)]), **gemma2)  # prefill over 3 ranges
+    attention_triton.paged_attention(*batch([(512, 512)], hq=32, d=128), sliding_window=1024)  # 128-row tiles
+print(json.dumps([compile_launch(launch) for launch in launches]))
+"""
+
+
+@pytest.mark.slow
+def test_windowed_and_capped_kernels_compile_for_sm90_without_spills():
+    # Gemma 2's shapes (head size 256, GQA 2) and a 128-row tile: what the interpreter cannot check.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    configs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(c["constexprs"].get("WINDOWED"), c["constexprs"].get("SOFT_CAP")) for c in configs if
+            "WINDOWED" in c["constexprs"]] == [(True, True)] * 3 + [(True, False)]
+    for config in configs:
+        assert config["stack_bytes"] == 0, config  # no register spills
+        assert config["shared_bytes"] <= 232448, config  # 227 KB per block on sm_90
