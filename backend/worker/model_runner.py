@@ -98,7 +98,8 @@ class ModelRunner:
                            "(set dtype to keep %s)", self.dtype, self.dtype, self.dtype)
             self.dtype = torch.float32
         self.block_size = cache_config.block_size
-        max_position = max(self.arch.max_position_embeddings, scheduler_config.max_model_len)
+        # No position reaches max_model_len; the rotary table spans it (LongRoPE picks its factors by it).
+        max_position = scheduler_config.max_model_len
         torch.manual_seed(model_config.seed)
         self.model: LlamaForCausalLM = load_model(model_config.model, self.dtype, self.device, max_position,
                                                   model_config.quantization)

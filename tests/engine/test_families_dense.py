@@ -100,6 +100,16 @@ def test_phi3_longrope_past_the_original_context_takes_the_long_factors_and_atte
     assert short_table[1, 0].item() == pytest.approx(2.0 * math.cos(1.0))
 
 
+def test_phi3_longrope_takes_the_long_factors_once_max_model_len_passes_the_original_context(
+        tiny_phi3_partial_path):
+    within = cpu_engine(tiny_phi3_partial_path, num_blocks=8)  # max_model_len 128: the original context
+    past = cpu_engine(tiny_phi3_partial_path, num_blocks=8, max_model_len=129)
+    # Position 1, first pair, times the given attention factor 1.2: the short factor 1, the long one 5.
+    assert within.runner.model.cos_sin_cache[1, 0].item() == pytest.approx(1.2 * math.cos(1.0))
+    assert past.runner.model.cos_sin_cache[1, 0].item() == pytest.approx(1.2 * math.cos(1 / 5.0))
+    assert past.runner.model.cos_sin_cache.shape == (129, 12)
+
+
 def test_phi3_partial_rotary_leaves_the_last_dims_unrotated(tiny_phi3_partial_path):
     engine = cpu_engine(tiny_phi3_partial_path, num_blocks=16)
     assert engine.runner.arch.rotary_dim == 12 and engine.runner.arch.head_dim == 16
