@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
+from pagedserve.backend.triton.lora import lora_info_labels
 
 _LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0]
@@ -28,6 +30,7 @@ _GAUGES = {
 }
 STEP_FAILURES_METRIC = "pagedserve:engine_step_failures_total"
 ACCEPTED_PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+LORA_INFO_METRIC = "vllm:lora_requests_info"
 _HISTOGRAMS = {
     "ttft": ("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token."),
     "itl": ("vllm:inter_token_latency_seconds", "Time between two generated tokens of one request."),
@@ -74,6 +77,7 @@ class EngineMetrics:
         self._families.append(failures)
         self._step_failures = failures.Metric(labels=labels)
         self._accepted_per_pos = AcceptedPerPosition(labels)
+        self._lora_info = LoRAInfo(labels)
 
     def close(self) -> None:
         """Delete the metrics now, while the stub still talks to the server: left to the interpreter's exit,
@@ -84,6 +88,7 @@ class EngineMetrics:
             self._histograms.clear()
             self._step_failures = None
             self._accepted_per_pos.close()
+            self._lora_info.close()
             self._families.clear()
 
     def update(self, stats: Any) -> None:
@@ -103,6 +108,7 @@ class EngineMetrics:
                 counter.increment(value - self._last_counts[field])
                 self._last_counts[field] = value
         self._accepted_per_pos.update(stats.spec_decode_num_accepted_tokens_per_pos)
+        self._lora_info.update(stats)
 
     def count_step_failure(self) -> None:
         """One engine step failed (its requests were ended with an error)."""
@@ -136,6 +142,37 @@ class AcceptedPerPosition:
             if value > self._last[position]:
                 self._samples[position].increment(value - self._last[position])
                 self._last[position] = value
+
+    def close(self) -> None:
+        self._samples.clear()
+        self._family = None
+
+
+class LoRAInfo:
+    """vLLM's vllm:lora_requests_info gauge: one sample per set of labels seen (the adapters in use). The current
+    one holds the time it became current, the others 0 (vLLM leaves them at their old times; either way its
+    readers take the newest)."""
+
+    def __init__(self, model_labels: dict[str, str]) -> None:
+        self._model_labels = model_labels
+        self._family: Any = None
+        self._samples: dict[tuple[str, ...], Any] = {}  # every sample made: a pb_utils metric outlives its object
+        self._labels: dict[str, str] | None = None
+
+    def update(self, stats: Any) -> None:
+        labels = lora_info_labels(stats)
+        if labels is None or labels == self._labels:
+            return
+        if self._family is None:
+            self._family = pb_utils.MetricFamily(name=LORA_INFO_METRIC, kind=pb_utils.MetricFamily.GAUGE,
+                                                 description="Running stats on LoRA requests.")
+        if self._labels is not None:
+            self._samples[tuple(self._labels.values())].set(0.0)
+        key = tuple(labels.values())
+        if key not in self._samples:
+            self._samples[key] = self._family.Metric(labels={**self._model_labels, **labels})
+        self._samples[key].set(time.time())
+        self._labels = labels
 
     def close(self) -> None:
         self._samples.clear()
