@@ -61,3 +61,18 @@ def test_layer_types_of_an_unknown_kind_are_refused_by_name(tiny_qwen2_window_pa
     config["layer_types"] = ["full_attention", "chunked_attention"]
     with pytest.raises(UnsupportedModelError, match=r"layer_types .*\['chunked_attention'\]"):
         ModelArchConfig.from_dict(config)
+
+
+def test_prefix_cache_hit_past_the_window_equals_the_computed_run(tiny_mistral_window_path):
+    engine = cpu_engine(tiny_mistral_window_path, block_size=4, num_blocks=32)
+    prompt = parity_prompts(engine.vocab_size)[6]  # 52 tokens: 13 full blocks, most of them outside the window
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    first = engine.generate([prompt], params)[0]
+    hits = engine.get_stats().prefix_cache_hits
+    second = engine.generate([prompt], params)[0]
+    assert engine.get_stats().prefix_cache_hits > hits
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    # The hit attends over the window's keys only where the first run masked a whole prompt's: the same sums in
+    # another order, so equal to fp32 rounding rather than bit for bit.
+    for hit, computed in zip(second.outputs[0].logprobs, first.outputs[0].logprobs, strict=True):
+        assert hit == pytest.approx(computed, abs=1e-5)

@@ -205,3 +205,27 @@ def test_windowed_and_capped_kernels_compile_for_sm90_without_spills():
     for config in configs:
         assert config["stack_bytes"] == 0, config  # no register spills
         assert config["shared_bytes"] <= 232448, config  # 227 KB per block on sm_90
+
+
+@pytest.mark.slow
+def test_gemma2_engine_on_triton_kernels_matches_transformers_greedy(tmp_path, monkeypatch, hf_reference):
+    # Windowed, soft-capped attention and GeGLU all on the Triton kernels (interpreter), prompts past the window.
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+    from pagedserve.kernels.activation import triton as activation_triton
+
+    from pagedserve.testing import make_tiny_model
+
+    from .checks import spy
+
+    path = make_tiny_model(tmp_path / "gemma2", "gemma2", seed=34, random_norms=True, tie_word_embeddings=True)
+    attention_calls = spy(monkeypatch, attention_triton, "paged_attention")
+    gelu_calls = spy(monkeypatch, activation_triton, "gelu_tanh_and_mul")
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    engine = LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", block_size=4, num_blocks=16,
+                                       max_num_batched_tokens=10, max_num_seqs=2)
+    prompts = [[5, 17, 33, 90, 41, 7, 250, 3, 64, 12, 8, 300, 77], [19, 45, 101, 6, 222, 13, 58, 91, 140, 2, 31]]
+    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert attention_calls and gelu_calls
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_reference.greedy(path, prompt, 5)[0]
