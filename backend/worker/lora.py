@@ -84,6 +84,13 @@ class LoRAManager:
     def add(self, lora_id: int, name: str, path: str) -> LoRAAdapter:
         """Read and check the adapter, keep it in host memory; InvalidRequestError (field "lora") if bad."""
         adapter = self._read(name, path)
+        parts = {(layer, part) for (layer, projection) in self.wrapped for part in LORA_PROJECTIONS[projection]}
+        missing = sorted(key for key in adapter.weights if key not in parts)
+        if missing:
+            layer, part = missing[0]
+            raise InvalidRequestError(
+                f"LoRA adapter {name!r} ({path}): layers.{layer}.{part} is not a projection LoRA can adapt in "
+                f"this model", "lora")
         self.paths[lora_id] = (name, path)
         self._keep(lora_id, adapter)
         return adapter
@@ -163,17 +170,22 @@ class LoRAManager:
 
 def _wrap_projections(model: nn.Module, arch: ModelArchConfig, config: LoRAConfig, step: LoRAStep,
                       dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], LoRALinear]:
-    """Replace every decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by a LoRALinear over it."""
+    """Replace every decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by a LoRALinear over it; a
+    family without one of them (a mixture of experts' MLP) keeps its module, and adapters of it are refused."""
     shapes = module_shapes(arch)
     slots, rank = config.max_loras, config.max_lora_rank
     wrapped = {}
     for layer_index, layer in enumerate(model.layers):
         for projection, parts in LORA_PROJECTIONS.items():
-            parent = layer.self_attn if projection in ("qkv_proj", "o_proj") else layer.mlp
+            parent = getattr(layer, "self_attn" if projection in ("qkv_proj", "o_proj") else "mlp", None)
+            base = getattr(parent, projection, None)
             in_features = shapes[parts[0]][0]
+            if (getattr(base, "in_features", None), getattr(base, "out_features", None)) != (
+                    in_features, sum(shapes[p][1] for p in parts)):
+                continue
             lora_a = torch.zeros(slots, len(parts) * rank, in_features, dtype=dtype, device=device)
             lora_b = [torch.zeros(slots, shapes[p][1], rank, dtype=dtype, device=device) for p in parts]
-            linear = LoRALinear(getattr(parent, projection), step, lora_a, lora_b, rank)
+            linear = LoRALinear(base, step, lora_a, lora_b, rank)
             setattr(parent, projection, linear)
             wrapped[(layer_index, projection)] = linear
     return wrapped

@@ -154,3 +154,28 @@ def test_a_base_only_step_does_no_lora_work(tiny_llama_path, adapters, monkeypat
     assert calls == [] and engine.runner.lora.step.slots is None
     engine.generate([_prompts(1)[0]], greedy(3, lora_name="a1"))
     assert calls, "an adapter's rows go through the shrink kernel"
+
+
+FAMILIES = {
+    "qwen2": ("q_proj", "k_proj", "v_proj", "up_proj"),  # QKV bias; a fused projection with one part adapted
+    "qwen3": ("q_proj", "v_proj", "o_proj", "gate_proj"),  # head_dim != hidden_size / num_heads
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),  # checkpoints and adapters with fused targets
+    "mixtral": ("q_proj", "k_proj", "v_proj", "o_proj"),  # experts' MLPs are not wrapped; attention is
+}
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_other_families_match_peft(arch, tmp_path, peft_reference):
+    from pagedserve.testing import make_tiny_model
+
+    base = make_tiny_model(tmp_path / arch, arch, seed=6)
+    adapter = make_lora_adapter(base, tmp_path / "adapter", rank=8, seed=7, targets=FAMILIES[arch])
+    engine = cpu_engine(base, enable_lora=True, block_size=4, num_blocks=32, lora_modules={"a": str(adapter)})
+    prompt = _prompts(1)[0]
+    with_adapter, without = engine.generate([prompt, prompt], [greedy(MAX_NEW_TOKENS, logprobs=0, lora_name="a"),
+                                                               greedy(MAX_NEW_TOKENS)])
+    tokens, logprobs = peft_reference.greedy(base, adapter, prompt, MAX_NEW_TOKENS)
+    assert with_adapter.outputs[0].token_ids == tokens
+    got = [lp[t] for lp, t in zip(with_adapter.outputs[0].logprobs, tokens, strict=True)]
+    assert got == pytest.approx(logprobs, abs=1e-4)
+    assert without.outputs[0].token_ids == peft_reference.greedy(base, None, prompt, MAX_NEW_TOKENS)[0] != tokens
