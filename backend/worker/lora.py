@@ -19,6 +19,7 @@ from pagedserve.backend.model.lora import (
     load_lora_adapter,
     module_shapes,
 )
+from pagedserve.kernels.lora import SlotGroups, group_slots
 from torch import nn
 
 from pagedserve import kernels
@@ -28,12 +29,13 @@ logger = logging.getLogger(__name__)
 
 class LoRAStep:
     """What every wrapped projection reads during one forward: each token row's slot, or None when no row has
-    an adapter (then the wrappers do no LoRA work at all)."""
+    an adapter (then the wrappers do no LoRA work at all), and the rows grouped by slot once for all calls."""
 
-    __slots__ = ("slots",)
+    __slots__ = ("slots", "groups")
 
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None  # [T] int32, -1 = base model
+        self.groups: SlotGroups | None = None
 
 
 class LoRALinear(nn.Module):
@@ -56,10 +58,11 @@ class LoRALinear(nn.Module):
         slots = self.step.slots
         if slots is None:
             return out
-        y = kernels.lora_shrink(x, self.lora_a, slots)  # [T, parts * R]
+        groups = self.step.groups
+        y = kernels.lora_shrink(x, self.lora_a, slots, groups)  # [T, parts * R]
         rank = self.rank
         for i, (lora_b, offset) in enumerate(zip(self.lora_b, self.offsets, strict=True)):
-            kernels.lora_expand_add(out, y[:, i * rank : (i + 1) * rank], lora_b, slots, offset)
+            kernels.lora_expand_add(out, y[:, i * rank : (i + 1) * rank], lora_b, slots, offset, groups)
         return out
 
 
@@ -108,13 +111,14 @@ class LoRAManager:
         scheduled request has an adapter."""
         ids = [item.request.sampling_params.lora_int_id for item in scheduled]
         if not any(ids):
-            self.step.slots = None
+            self.step.slots = self.step.groups = None
             return
         slot_of = self._activate({i for i in ids if i})
         per_item = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int32)
         counts = torch.tensor([item.num_scheduled_tokens for item in scheduled], dtype=torch.int64)
         rows = torch.repeat_interleave(per_item, counts, output_size=int(counts.sum()))
         self.step.slots = rows.to(self.device, non_blocking=True)
+        self.step.groups = group_slots(self.step.slots)
 
     def _activate(self, lora_ids: set[int]) -> dict[int, int]:
         """A slot for each of the step's adapters (at most max_loras): resident ones stay, others are loaded
