@@ -121,11 +121,6 @@ class OpenAIShim:
         """Every name the model answers to: the model id first, then its aliases."""
         return [self.model_name, *(a for a in self.settings.aliases if a != self.model_name)]
 
-    def check_model(self, name: str) -> None:
-        """404 model_not_found unless `name` is one of the served names."""
-        if name not in self.served_names:
-            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
-
     async def resolve_model(self, name: str) -> str | None:
         """The LoRA adapter a request's `model` names (None for the base model); 404 model_not_found when the
         name is neither a served name nor an adapter of the llm model."""
