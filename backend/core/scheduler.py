@@ -14,6 +14,9 @@ from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.request_queue import FCFSQueue, PriorityQueue, priority_key
 
 _RUNNING = RequestStatus.RUNNING
+# Steps a request may wait for a LoRA slot while others take the running adapters' slots; past it, requests of
+# running adapters stop being admitted until the slots turn over, so no adapter starves.
+LORA_MAX_WAIT_STEPS = 32
 
 
 @dataclass(slots=True)
@@ -59,6 +62,7 @@ class Scheduler:
         # ids of those resident in a slot now (the runner updates it in place).
         self.max_loras = max_loras
         self.resident_loras = resident_loras
+        self._lora_waits: dict[str, int] = {}  # request id -> steps it waited for a LoRA slot
         self.block_size = cache_config.block_size
         self.block_manager = BlockManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -284,7 +288,7 @@ class Scheduler:
         if self._unforked:
             self._unforked = [r for r in self._unforked if r.status == _RUNNING and not r.num_output_tokens]
         occupied = self._occupied_slots()
-        adapters = LoRAAdmission(self.running, self.max_loras, self.resident_loras) if self.max_loras else None
+        adapters = self._lora_admission() if self.max_loras else None
         skipped: list[Request] = []
         while waiting and budget > 0:
             request = waiting.peek()
@@ -295,6 +299,7 @@ class Scheduler:
                 if len(skipped) >= self.config.max_num_seqs:
                     break
                 skipped.append(waiting.pop())
+                self._lora_waits[request.request_id] = self._lora_waits.get(request.request_id, 0) + 1
                 continue
             seqs = _sequences_once_running(request)
             admitted = self._allocate_waiting(request, seqs, occupied, budget)
@@ -326,6 +331,16 @@ class Scheduler:
         for request in reversed(skipped):  # back at the head, in their order
             waiting.add_preempted(request)
         return budget
+
+    def _lora_admission(self) -> LoRAAdmission:
+        """This step's LoRA admission; draining when a request waited LORA_MAX_WAIT_STEPS for a slot."""
+        waits = self._lora_waits
+        if waits:
+            requests = self.requests
+            for request_id in [rid for rid in waits if rid not in requests or requests[rid].status == _RUNNING]:
+                del waits[request_id]
+        draining = any(n >= LORA_MAX_WAIT_STEPS for n in waits.values())
+        return LoRAAdmission(self.running, self.max_loras, self.resident_loras, draining)
 
     def _occupied_slots(self) -> int:
         """max_num_seqs slots taken: running sequences, plus those unforked requests will fork into."""
@@ -397,21 +412,26 @@ class Scheduler:
 class LoRAAdmission:
     """Which waiting requests' LoRA adapters fit this step: at most `max_loras` distinct adapters among running
     requests (the runner's slots), and at most one admitted per step whose adapter is not resident, so that no
-    request's step waits on more than one adapter load. A request that does not fit waits; others go on."""
+    request's step waits on more than one adapter load. A request that does not fit waits; others go on, but
+    while `draining` (one waited too long) requests of running adapters wait too, so that the slots turn over."""
 
-    __slots__ = ("running", "max_loras", "resident", "loads")
+    __slots__ = ("running", "max_loras", "resident", "loads", "draining")
 
-    def __init__(self, running: Iterable[Request], max_loras: int, resident: Container[int]) -> None:
+    def __init__(self, running: Iterable[Request], max_loras: int, resident: Container[int],
+                 draining: bool = False) -> None:
         self.running = {r.sampling_params.lora_int_id for r in running} - {0}
         self.max_loras = max_loras
         self.resident = resident
         self.loads = 0
+        self.draining = draining
 
     def admits(self, request: Request) -> bool:
         """Whether `request` may be admitted now."""
         lora_id = request.sampling_params.lora_int_id
-        if not lora_id or lora_id in self.running:
+        if not lora_id:
             return True
+        if lora_id in self.running:
+            return not self.draining
         return len(self.running) < self.max_loras and (lora_id in self.resident or not self.loads)
 
     def add(self, request: Request) -> None:

@@ -66,3 +66,16 @@ def test_no_step_runs_more_adapters_than_slots_and_nothing_is_lost(runner_factor
         step = sorted({s.request.sampling_params.lora_int_id for s in out.scheduled} - {0})
         resident[:] = (step + [i for i in resident if i not in step])[:2]
     assert runner.outputs == wanted
+
+
+def test_an_adapter_kept_out_by_a_stream_of_another_gets_its_slot(runner_factory):
+    from pagedserve.backend.core.scheduler import LORA_MAX_WAIT_STEPS
+
+    runner = _lora_runner(runner_factory, max_loras=1, resident=[1], max_num_seqs=64)
+    runner.scheduler.add_request(_request("a0", 1, max_tokens=8))
+    runner.scheduler.add_request(_request("b", 2, max_tokens=2))
+    for step in range(1, 200):  # a new request of adapter 1 arrives every step
+        runner.scheduler.add_request(_request(f"a{step}", 1, max_tokens=8))
+        if "b" in _step_ids(runner):
+            break
+    assert LORA_MAX_WAIT_STEPS <= step <= LORA_MAX_WAIT_STEPS + 8 + 1
