@@ -10,6 +10,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("none", "int8", "int4")  # on-the-fly weight quantization (backend/model/quantized.py)
 MAX_BLOCK_SIZE = 256
+MAX_TENSOR_PARALLEL_SIZE = 64
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -88,6 +89,7 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads on the CPU; None keeps torch's default
+    tensor_parallel_size: int = 1  # ranks the model is split over (backend/worker/parallel.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -107,6 +109,7 @@ class ModelConfig:
         _check_int("seed", self.seed, 0, 2**63 - 1)
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
 
 
 MAX_LORA_RANK = 512  # vLLM's largest choice

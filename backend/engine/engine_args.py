@@ -16,7 +16,7 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.model import ModelArchConfig
 
 CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
-    ModelConfig: ("dtype", "quantization", "device", "seed", "cpu_threads"),
+    ModelConfig: ("dtype", "quantization", "device", "seed", "cpu_threads", "tensor_parallel_size"),
     CacheConfig: (
         "block_size",
         "num_blocks",

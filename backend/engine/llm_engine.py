@@ -45,8 +45,9 @@ from pagedserve.backend.engine.spec_verify import Run, sample_step
 from pagedserve.backend.engine.speculative import NgramSpeculator, record_run
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
-from pagedserve.backend.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.backend.worker.model_runner import ModelRunnerOutput
 from pagedserve.backend.worker.sampler import Sampler, SamplerOutput
+from pagedserve.backend.worker.tp_workers import start_runner
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class LLMEngine(LoRAEngineMixin):
         self.scheduler_config = scheduler_config
         ModelArchConfig.from_pretrained(model_config.model)  # a missing or unsupported model fails first
         self.tokenizer = load_tokenizer(model_config.model)
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config, lora_config)
+        # With tensor_parallel_size > 1 this is rank 0's runner and `workers` the other ranks' processes.
+        self.runner, self.workers = start_runner(model_config, cache_config, scheduler_config, lora_config)
         self.lora = LoRARegistry(lora_config, self.runner.lora)
         arch: ModelArchConfig = self.runner.arch
         self.vocab_size = arch.vocab_size
@@ -190,6 +192,11 @@ class LLMEngine(LoRAEngineMixin):
         group = self._groups.get(request_id)
         if group is not None and not group.finished:
             self._end_group(group, RequestStatus.FINISHED_ABORTED)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device); the engine runs no step after this."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running, or has a final output not yet returned."""

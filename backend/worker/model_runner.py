@@ -13,6 +13,7 @@ from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_mod
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
 from pagedserve.backend.worker.lora import LoRAManager
+from pagedserve.backend.worker.parallel import StepPlan, TensorParallel
 
 import pagedserve
 from pagedserve import kernels
@@ -82,9 +83,10 @@ class ModelRunner:
 
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-        lora_config: LoRAConfig | None = None,
+        lora_config: LoRAConfig | None = None, tp: TensorParallel | None = None,
     ):
-        self.device = resolve_device(model_config.device)
+        self.tp = tp  # this rank's tensor-parallel group; None on one device
+        self.device = resolve_device(model_config.device) if tp is None else tp.device
         if self.device.type == "cpu":
             _set_cpu_threads(model_config.cpu_threads)
             _keep_large_allocations_mapped()
@@ -101,13 +103,19 @@ class ModelRunner:
         # No position reaches max_model_len; the rotary table spans it (LongRoPE picks its factors by it).
         max_position = scheduler_config.max_model_len
         torch.manual_seed(model_config.seed)
-        self.model: LlamaForCausalLM = load_model(model_config.model, self.dtype, self.device, max_position,
-                                                  model_config.quantization)
+        if tp is None:
+            self.model: LlamaForCausalLM = load_model(model_config.model, self.dtype, self.device, max_position,
+                                                      model_config.quantization)
+        else:
+            self.model = tp.load_model(model_config.model, self.dtype, max_position)
+            self.arch = self.model.config  # this rank's heads: its KV cache holds only theirs
         if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES:
             logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
         self.lora = LoRAManager(self.model, self.arch, lora_config, self.dtype, self.device) if (
             lora_config is not None and lora_config.enable_lora) else None
         self.num_blocks = self._num_blocks(cache_config, scheduler_config)
+        if tp is not None:
+            self.num_blocks = tp.agree_num_blocks(self.num_blocks)
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # Zeroed, not empty: attention reads whole blocks and masks the tail, and 0 * NaN would leak.
         self.key_caches = [
@@ -193,6 +201,9 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.prepare(scheduler_output.scheduled)
             batch = self._prepare(scheduler_output.scheduled)
+            if self.tp is not None:
+                self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
+                                              batch.meta))
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             logits = self.model.compute_logits(hidden[batch.logit_rows])
         num_sample = len(batch.sample_request_ids)

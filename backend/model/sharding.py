@@ -1,0 +1,105 @@
+"""Tensor-parallel shards of a dense decoder: each rank's config (its share of the heads and of the MLP) and its
+slices of the checkpoint (Megatron's split: column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj,
+everything else replicated). The all-reduce after the row-parallel projections is the worker's (parallel.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
+from pagedserve.backend.model.family import gate_up_sizes, qkv_sizes
+from pagedserve.backend.model.loader import _check_complete, _iter_checkpoint, _mark
+from pagedserve.backend.model.quant_formats import scheme_from_config
+from pagedserve.backend.model.registry import family_for
+from torch import nn
+
+# Families whose layers take every size from the config, with nothing per head but head_dim-wide norms (Qwen3's
+# q/k norms): their sharded config builds a rank's slice. MoE and Gemma are not among them.
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "Phi3ForCausalLM")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")  # our modules whose outputs the ranks sum
+
+
+def indivisible_field(cfg: ModelArchConfig, world_size: int) -> tuple[str, int] | None:
+    """(config.json field, its value) of the first size `world_size` ranks cannot split evenly; None if none."""
+    for field, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                         ("intermediate_size", cfg.intermediate_size)):
+        if value % world_size:
+            return field, value
+    return None
+
+
+def shard_config(cfg: ModelArchConfig, world_size: int) -> ModelArchConfig:
+    """One rank's config: its share of the query heads, KV heads and MLP width."""
+    if cfg.architecture not in TP_ARCHITECTURES:
+        raise UnsupportedModelError(f"tensor_parallel_size > 1 is not supported for {cfg.architecture}; "
+                                    f"supported: {', '.join(TP_ARCHITECTURES)}")
+    bad = indivisible_field(cfg, world_size)
+    if bad is not None:
+        raise UnsupportedModelError(f"tensor_parallel_size {world_size} does not divide {bad[0]} ({bad[1]})")
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // world_size,
+                               num_kv_heads=cfg.num_kv_heads // world_size,
+                               intermediate_size=cfg.intermediate_size // world_size)
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelArchConfig, rank: int,
+                 world_size: int) -> torch.Tensor:
+    """Rank `rank`'s part of the checkpoint tensor `name` (`cfg`: the whole model's config). A row-parallel
+    bias stays on rank 0 only (zeros elsewhere), so the ranks' sum adds it once."""
+    module, _, leaf = name.rpartition(".")
+    last = module.rsplit(".", 1)[-1]
+    if last in COLUMN_PARALLEL:
+        return tensor.chunk(world_size, 0)[rank]
+    if last in ("qkv_proj", "gate_up_proj"):  # stored fused: each part split on its own
+        sizes = qkv_sizes(cfg) if last == "qkv_proj" else gate_up_sizes(cfg)
+        return torch.cat([part.chunk(world_size, 0)[rank] for part in tensor.split(sizes, 0)])
+    if last in ROW_PARALLEL:
+        if leaf == "bias":
+            return tensor if rank == 0 else torch.zeros_like(tensor)
+        return tensor.chunk(world_size, 1)[rank]
+    return tensor
+
+
+def load_sharded_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int,
+                       rank: int, world_size: int) -> nn.Module:
+    """Rank `rank`'s model: the family's classes built from the sharded config, filled with its slices."""
+    if str(path).endswith(".gguf"):
+        raise UnsupportedModelError("tensor_parallel_size > 1 is not supported for GGUF files")
+    path = Path(path)
+    if scheme_from_config(json.loads((path / "config.json").read_text())) is not None:
+        raise UnsupportedModelError("tensor_parallel_size > 1 is not supported for quantized checkpoints")
+    full = ModelArchConfig.from_pretrained(path)
+    cfg = shard_config(full, world_size)
+    family = family_for(cfg.architecture)
+    with torch.device("meta"):
+        model = family.model_cls(cfg, max_position)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: dict[str, dict[str, int]] = {}
+    for name, tensor in _iter_checkpoint(path):
+        placement = family.placement(name, cfg)
+        if placement is None:
+            continue
+        if placement.param not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+        dst = params[placement.param].data
+        if placement.selector is not None:
+            dst = dst[placement.selector]
+        part = shard_tensor(name, tensor, full, rank, world_size)
+        if dst.shape != part.shape:
+            raise ValueError(f"checkpoint tensor {name!r}'s shard {rank} has shape {tuple(part.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(part)
+        _mark(filled, placement.param, placement.selector, dst.numel())
+    if cfg.tie_word_embeddings:
+        _mark(filled, "lm_head.weight", None, model.lm_head.weight.numel())
+    _check_complete(model, filled)
+    model.init_rope(dtype, device)
+    model.eval()
+    return model

@@ -1,0 +1,204 @@
+"""Tensor parallelism over torch.distributed: one rank's process group (gloo on the CPU, NCCL on CUDA with a gloo
+group beside it for the step plans), its sharded model with the row-parallel projections all-reduced, and the
+step plan rank 0 broadcasts so every rank runs the same forward."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from pagedserve.backend.core.config import LoRAConfig, ModelConfig
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.model import ModelArchConfig
+from pagedserve.backend.model.attention import AttentionMetadata
+from pagedserve.backend.model.sharding import (
+    ROW_PARALLEL,
+    TP_ARCHITECTURES,
+    indivisible_field,
+    load_sharded_model,
+)
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# How long a collective (a step's all-reduce, the plan broadcast, the start-up rendezvous) may wait for a rank.
+COLLECTIVE_TIMEOUT_SECONDS = 120.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank is gone or a collective failed: the engine cannot run another step and must be restarted."""
+
+
+def check_tensor_parallel(model_config: ModelConfig, lora_config: LoRAConfig | None) -> None:
+    """Refuse, naming the field, what tensor_parallel_size > 1 cannot serve: another family, a size the ranks
+    cannot split, quantization at load, LoRA."""
+    world = model_config.tensor_parallel_size
+    arch = ModelArchConfig.from_pretrained(model_config.model)
+    if arch.architecture not in TP_ARCHITECTURES:
+        raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for {arch.architecture}; "
+                                  f"supported: {', '.join(TP_ARCHITECTURES)}", "tensor_parallel_size")
+    bad = indivisible_field(arch, world)
+    if bad is not None:
+        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's {bad[0]} ({bad[1]})",
+                                  "tensor_parallel_size")
+    if model_config.quantization != "none":
+        raise InvalidRequestError(f"quantization {model_config.quantization!r} is not supported with "
+                                  f"tensor_parallel_size {world}", "quantization")
+    if lora_config is not None and lora_config.enable_lora:
+        raise InvalidRequestError(f"enable_lora is not supported with tensor_parallel_size {world}", "enable_lora")
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What every rank needs to run rank 0's step: block copies, then one forward over these CPU tensors."""
+
+    block_copies: list[tuple[int, int]]
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [S, max_blocks]
+    cu_seqlens_q: torch.Tensor  # [S + 1]
+    seq_lens: torch.Tensor  # [S]
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @classmethod
+    def of(cls, block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
+           meta: AttentionMetadata) -> StepPlan:
+        """The plan of a prepared step (its tensors brought to the CPU)."""
+        cpu = [t.cpu() for t in (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q,
+                                 meta.seq_lens)]
+        return cls(list(block_copies), *cpu, meta.max_seqlen_q, meta.max_seqlen_k)
+
+    def meta(self, device: torch.device) -> AttentionMetadata:
+        """The attention metadata on `device`."""
+        return AttentionMetadata(self.slot_mapping.to(device), self.block_tables.to(device),
+                                 self.cu_seqlens_q.to(device), self.seq_lens.to(device), self.max_seqlen_q,
+                                 self.max_seqlen_k)
+
+
+class RowParallelLinear(nn.Module):
+    """A row-parallel projection: this rank's partial product, summed over the ranks (the bias lives on rank 0)."""
+
+    def __init__(self, base: nn.Module, group: TensorParallel):
+        super().__init__()
+        self.base = base
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """base(x) all-reduced."""
+        out = self.base(x)
+        self.group.all_reduce(out)
+        return out
+
+
+class TensorParallel:
+    """One rank's membership of the tensor-parallel group. Rank 0 broadcasts each step's plan; the others
+    receive it. Once a collective fails every later call raises the same TensorParallelError."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device,
+                 timeout: float = COLLECTIVE_TIMEOUT_SECONDS, liveness: Liveness | None = None):
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group; one tensor-parallel "
+                               "engine per process")
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.failure: str | None = None
+        # Rank 0's probe of its workers: given seconds to wait for one to exit, a description of a dead one.
+        self.liveness: Liveness = liveness or (lambda wait: None)
+        store = _join(init_method, rank, world_size, timeout, self.liveness)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        # NCCL moves tensors only; the pickled plans go over gloo.
+        self.plan_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+
+    def load_model(self, path: str | Path, dtype: torch.dtype, max_position: int) -> nn.Module:
+        """This rank's shard of the model, its row-parallel projections wrapped to all-reduce."""
+        model = load_sharded_model(path, dtype, self.device, max_position, self.rank, self.world_size)
+        for module in list(model.modules()):
+            for name in ROW_PARALLEL:
+                child = getattr(module, name, None)
+                if isinstance(child, nn.Module) and not isinstance(child, RowParallelLinear):
+                    setattr(module, name, RowParallelLinear(child, self))
+        return model
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks in place."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        try:
+            dist.all_reduce(tensor)
+        except Exception as error:  # noqa: BLE001 - gloo and NCCL raise several kinds
+            self._fail(error)
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The fewest KV blocks any rank can hold: every rank's cache takes the same block ids."""
+        value = torch.tensor([num_blocks], dtype=torch.int64)
+        self._check()
+        try:
+            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.plan_group)
+        except Exception as error:  # noqa: BLE001
+            self._fail(error)
+        return int(value.item())
+
+    def broadcast(self, plan: StepPlan | None) -> StepPlan | None:
+        """Rank 0 sends `plan` (None: stop); the others get it."""
+        self._check()
+        box = [plan]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.plan_group)
+        except Exception as error:  # noqa: BLE001
+            self._fail(error)
+        return box[0]
+
+    def close(self) -> None:
+        """Leave the group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _check(self) -> None:
+        """Raise once the group has failed, or (rank 0) a worker is found dead before the next collective."""
+        if self.failure is None:
+            dead = self.liveness(0.0)
+            if dead is not None:
+                self.failure = dead + _CANNOT_CONTINUE
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+
+    def _fail(self, error: BaseException) -> None:
+        cause = self.liveness(1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {error}"
+        self.failure = cause + _CANNOT_CONTINUE
+        raise TensorParallelError(self.failure) from error
+
+
+def _join(init_method: str, rank: int, world_size: int, timeout: float, liveness: Liveness) -> dist.Store:
+    """The rendezvous store at tcp://HOST:PORT (rank 0 serves it); rank 0 returns once every rank has joined,
+    failing at once (not at the timeout) when one of its workers exits first."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    if not init_method.startswith("tcp://") or not host or not port.isdigit():
+        raise ValueError(f"tensor-parallel init method must be tcp://HOST:PORT, got {init_method!r}")
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    if rank:
+        store.add(_JOINED, 1)
+        return store
+    deadline = time.monotonic() + timeout
+    while store.add(_JOINED, 0) < world_size - 1:
+        dead = liveness(0.0)
+        if dead is not None:
+            raise TensorParallelError(f"{dead} before joining the group")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel workers did not join {init_method} within {timeout:g} s")
+        time.sleep(0.05)
+    return store
+
+
+Liveness = Callable[[float], "str | None"]
+_JOINED = "pagedserve/joined"
+_CANNOT_CONTINUE = "; this engine cannot run further steps (restart it)"

@@ -1,0 +1,153 @@
+"""The tensor-parallel worker processes: rank 0 (the engine's process) spawns ranks 1..N-1, each of which builds
+its ModelRunner (its shard and its KV heads) and runs every step plan rank 0 broadcasts until told to stop."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+from multiprocessing.process import BaseProcess
+
+import torch
+from pagedserve.backend.core.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.worker.model_runner import ModelRunner, resolve_device
+from pagedserve.backend.worker.parallel import (
+    COLLECTIVE_TIMEOUT_SECONDS,
+    TensorParallel,
+    TensorParallelError,
+    check_tensor_parallel,
+)
+
+from pagedserve import kernels
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_SECONDS = 10.0
+
+
+def rendezvous(environ: dict[str, str] | None = None) -> str:
+    """torch.distributed's init method: tcp://MASTER_ADDR:MASTER_PORT when the environment names them (the
+    address other nodes' ranks reach), else a free port on the loopback."""
+    environ = os.environ if environ is None else environ
+    if environ.get("MASTER_ADDR") and environ.get("MASTER_PORT"):
+        return f"tcp://{environ['MASTER_ADDR']}:{int(environ['MASTER_PORT'])}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank `rank`'s device: the CPU, or the CUDA device `rank` places after the configured one."""
+    base = resolve_device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+class TPWorkers:
+    """Rank 0's side: the worker processes, the group, and stopping both."""
+
+    def __init__(self, processes: list[BaseProcess]):
+        self.processes = processes
+        self.group: TensorParallel | None = None
+
+    @classmethod
+    def launch(cls, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+               init_method: str | None = None) -> TPWorkers:
+        """Spawn ranks 1..N-1 and join the group as rank 0 (the rendezvous waits for all of them)."""
+        world = model_config.tensor_parallel_size
+        init_method = init_method or rendezvous()
+        context = multiprocessing.get_context("spawn")
+        if not os.path.basename(sys.executable).startswith("python"):  # a host such as Triton's stub
+            context.set_executable(os.path.join(sys.prefix, "bin", "python3"))
+        processes = []
+        for rank in range(1, world):
+            process = context.Process(target=worker_main, name=f"pagedserve-tp{rank}", daemon=True,
+                                      args=(rank, init_method, model_config, cache_config, scheduler_config))
+            process.start()
+            processes.append(process)
+        workers = cls(processes)
+        try:
+            workers.group = TensorParallel(0, world, init_method, rank_device(model_config.device, 0),
+                                           liveness=workers.dead_worker)
+        except BaseException:
+            _end(processes)
+            raise
+        logger.info("tensor parallelism: %d ranks over %s (%s)", world, init_method, dist_backend(workers.group))
+        return workers
+
+    def dead_worker(self, wait: float) -> str | None:
+        """A description of the first worker that exited, waiting up to `wait` seconds for one to; None if none."""
+        for rank, process in enumerate(self.processes, start=1):
+            process.join(wait)
+            if not process.is_alive():
+                return f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        return None
+
+    def stop(self) -> None:
+        """Tell the workers to stop, join them (ending those that linger), leave the group."""
+        if self.group.failure is None:
+            try:
+                self.group.broadcast(None)
+            except TensorParallelError:
+                logger.warning("tensor-parallel workers could not be told to stop: %s", self.group.failure)
+        _end(self.processes)
+        self.group.close()
+
+
+def dist_backend(group: TensorParallel) -> str:
+    """The group's backend name, for the log."""
+    return "nccl" if group.device.type == "cuda" else "gloo"
+
+
+def _end(processes: list[BaseProcess]) -> None:
+    """Join each process, terminating (then killing) one that does not exit in time."""
+    for process in processes:
+        process.join(JOIN_TIMEOUT_SECONDS)
+        if process.is_alive():
+            process.terminate()
+            process.join(JOIN_TIMEOUT_SECONDS)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def start_runner(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+                 lora_config: LoRAConfig | None) -> tuple[ModelRunner, TPWorkers | None]:
+    """The engine's ModelRunner; with tensor_parallel_size > 1 rank 0's, its workers started (and stopped again
+    should rank 0's start fail)."""
+    if model_config.tensor_parallel_size == 1:
+        return ModelRunner(model_config, cache_config, scheduler_config, lora_config), None
+    check_tensor_parallel(model_config, lora_config)
+    workers = TPWorkers.launch(model_config, cache_config, scheduler_config)
+    try:
+        return ModelRunner(model_config, cache_config, scheduler_config, None, workers.group), workers
+    except BaseException:
+        workers.group.failure = workers.group.failure or "rank 0 failed to start"
+        _end(workers.processes)
+        workers.group.close()
+        raise
+
+
+def worker_main(rank: int, init_method: str, model_config: ModelConfig, cache_config: CacheConfig,
+                scheduler_config: SchedulerConfig, timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> None:
+    """Rank `rank`'s process: join the group, build its runner, run each broadcast plan until None. Also the
+    entry a launcher on another node calls with the same init method and configs."""
+    device = rank_device(model_config.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton kernels launch on the current device
+    group = TensorParallel(rank, model_config.tensor_parallel_size, init_method, device, timeout)
+    try:
+        runner = ModelRunner(model_config, cache_config, scheduler_config, None, group)
+        while (plan := group.broadcast(None)) is not None:
+            with torch.inference_mode():
+                kernels.copy_blocks(runner.key_caches, runner.value_caches, plan.block_copies)
+                runner.model(plan.input_ids.to(device), plan.positions.to(device), runner.kv_caches,
+                             plan.meta(device))
+    except TensorParallelError as error:
+        logger.error("tensor-parallel rank %d stops: %s", rank, error)
+        sys.exit(1)
+    finally:
+        group.close()

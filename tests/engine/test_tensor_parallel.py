@@ -1,0 +1,183 @@
+"""Tensor parallelism over gloo on the CPU: two ranks (this process and one spawned worker) give the tokens and
+fp32 logprobs of one rank and of transformers under chunked prefill, preemption and prefix hits; what cannot be
+split is refused naming the field; a killed worker fails the step with a clear error instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
+from pagedserve.backend.model.sharding import shard_tensor
+from pagedserve.backend.worker.tp_workers import rendezvous
+
+from pagedserve.testing import make_tiny_model
+from tests.support.engines import cpu_engine, greedy
+from tests.support.parity import MAX_NEW_TOKENS, SUBMIT_AT_STEP, parity_prompts
+
+# One intra-op thread per rank: two ranks share this machine's cores.
+TP2 = {"tensor_parallel_size": 2, "cpu_threads": 1}
+STAGGERED = {"block_size": 4, "num_blocks": 24, "max_num_batched_tokens": 8, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with biases on every projection, o_proj and down_proj too (row-parallel: added once)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-llama"), "llama", seed=21, random_norms=True,
+                           config_extras={"attention_bias": True, "mlp_bias": True})
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2 (q/k/v biases) with tied embeddings."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-qwen2"), "qwen2", seed=22, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3: per-head q/k norms over head_dim, which every rank keeps whole."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-qwen3"), "qwen3", seed=23, random_norms=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Phi-3: its checkpoint stores qkv_proj and gate_up_proj fused, each part split on its own."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-phi3"), "phi3", seed=24, random_norms=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _staggered(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
+    """The parity batch's greedy tokens and their logprobs, requests arriving over several steps."""
+    prompts = parity_prompts(engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=0)
+    final, step = {}, 0
+    while len(final) < len(prompts):
+        for i, at in enumerate(SUBMIT_AT_STEP):
+            if at == step:
+                engine.add_request(f"r{i}", None, params, prompt_token_ids=prompts[i])
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                c = out.outputs[0]
+                final[out.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
+        step += 1
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    return final
+
+
+def _assert_tp2_matches(path: Path, hf_reference) -> None:
+    one = cpu_engine(path, **STAGGERED)
+    expected = _staggered(one)
+    two = cpu_engine(path, **STAGGERED, **TP2)
+    try:
+        assert two.runner.arch.num_kv_heads == one.runner.arch.num_kv_heads // 2  # each rank caches its half
+        got = _staggered(two)
+    finally:
+        two.shutdown()
+    prompts = parity_prompts(one.vocab_size)
+    for i, prompt in enumerate(prompts):
+        tokens, logprobs = got[f"r{i}"]
+        ref_tokens, ref_logprobs = hf_reference.greedy(path, prompt, MAX_NEW_TOKENS)
+        assert tokens == ref_tokens == expected[f"r{i}"][0], f"prompt {i}"
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+        assert logprobs == pytest.approx(expected[f"r{i}"][1], abs=1e-4)
+
+
+def test_tp2_llama_with_row_parallel_biases_matches_tp1_and_transformers_over_env_rendezvous(
+        tiny_llama_biased, hf_reference, monkeypatch):
+    port = _free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert rendezvous() == f"tcp://127.0.0.1:{port}"
+    _assert_tp2_matches(tiny_llama_biased, hf_reference)
+
+
+def test_tp2_qwen2_tied_matches_tp1_and_transformers(tiny_qwen2_tied, hf_reference):
+    _assert_tp2_matches(tiny_qwen2_tied, hf_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_phi3"])
+def test_tp2_qwen3_and_phi3_match_tp1_and_transformers(model_fixture, request, hf_reference):
+    _assert_tp2_matches(request.getfixturevalue(model_fixture), hf_reference)
+
+
+def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart(tiny_phi3):
+    import torch
+    from pagedserve.backend.model import ModelArchConfig
+
+    cfg = ModelArchConfig.from_pretrained(tiny_phi3)
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused = torch.arange(q + 2 * kv)[:, None].float()
+    shard = shard_tensor("model.layers.0.self_attn.qkv_proj.weight", fused, cfg, 1, 2)
+    expected = torch.cat([fused[q // 2 : q], fused[q + kv // 2 : q + kv], fused[q + kv + kv // 2 :]])
+    assert torch.equal(shard, expected)
+    bias = torch.ones(cfg.hidden_size)
+    assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 1, 2), torch.zeros_like(bias))
+    assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 0, 2), bias)
+
+
+@pytest.mark.parametrize(("settings", "model_field"), [
+    ({"num_heads": 6, "num_kv_heads": 2, "hidden_size": 48}, "num_attention_heads"),  # tp 4
+    ({"num_heads": 4, "num_kv_heads": 1}, "num_key_value_heads"),  # tp 2
+    ({"num_kv_heads": 4, "intermediate_size": 130}, "intermediate_size"),  # tp 4
+])
+def test_a_size_the_ranks_cannot_split_is_refused_naming_the_field(tmp_path, settings, model_field):
+    path = make_tiny_model(tmp_path, "llama", **settings)
+    size = 2 if model_field == "num_key_value_heads" else 4
+    with pytest.raises(InvalidRequestError, match=model_field) as error:
+        cpu_engine(path, tensor_parallel_size=size)
+    assert error.value.field == "tensor_parallel_size"
+
+
+def test_moe_lora_and_quantization_at_load_are_refused_under_tp(tmp_path):
+    moe = make_tiny_model(tmp_path / "moe", "mixtral")
+    with pytest.raises(InvalidRequestError, match="MixtralForCausalLM") as error:
+        cpu_engine(moe, tensor_parallel_size=2)
+    assert error.value.field == "tensor_parallel_size"
+    llama = make_tiny_model(tmp_path / "llama", "llama")
+    for options, field in (({"enable_lora": True}, "enable_lora"), ({"quantization": "int8"}, "quantization")):
+        with pytest.raises(InvalidRequestError) as error:
+            cpu_engine(llama, tensor_parallel_size=2, **options)
+        assert error.value.field == field
+    for bad in (0, 65, True):
+        with pytest.raises(InvalidRequestError) as error:
+            cpu_engine(llama, tensor_parallel_size=bad)
+        assert error.value.field == "tensor_parallel_size"
+
+
+def test_a_killed_worker_fails_the_step_with_a_clear_error_and_no_hang(tmp_path):
+    path = make_tiny_model(tmp_path, "llama", seed=25)
+    engine = cpu_engine(path, num_blocks=32, block_size=4, **TP2)
+    try:
+        (worker,) = engine.workers.processes
+        engine.add_request("before", None, greedy(40), prompt_token_ids=[5, 6, 7, 8])
+        assert engine.step()[0].error is None
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        outputs = []
+        while not outputs:
+            outputs = [out for out in engine.step() if out.finished]
+        assert time.monotonic() - start < 10
+        (out,) = outputs
+        assert "tensor-parallel worker rank 1" in out.error and "exited with code -9" in out.error, out.error
+        engine.add_request("after", None, greedy(4), prompt_token_ids=[5, 6])
+        (after,) = engine.step()
+        assert after.finished and "cannot run further steps" in after.error
+    finally:
+        start = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - start < 10
