@@ -36,7 +36,13 @@ _UNSUPPORTED = {
     "alpha_pattern": "per-module alphas (alpha_pattern)",
     "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+    "target_parameters": "LoRA on parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QALoRA (use_qalora)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "arrow_config": "Arrow routing (arrow_config)",
 }
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
 
 
 class LoRAAdapterError(ValueError):
@@ -106,7 +112,7 @@ def _check_config(config: dict[str, Any], max_rank: int, refuse: Any) -> tuple[i
     """(rank, alpha) of a plain LoRA config this engine serves."""
     if config.get("peft_type", "LORA") != "LORA":
         raise refuse(f"peft_type {config.get('peft_type')!r} is not LORA")
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    rank, alpha = config.get("r"), config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise refuse(f"r must be an integer >= 1, got {rank!r}")
     if rank > max_rank:
