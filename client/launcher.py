@@ -410,6 +410,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llm model instances (engines; on the CPU they split the cores and the KV budget)")
     parser.add_argument("--instance-kind", choices=INSTANCE_KINDS, default=None,
                         help="with --instances: cpu, gpu (N per GPU, each on its own device) or model")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="split the model over N ranks (N - 1 worker processes; gloo on the CPU, NCCL on GPUs)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--http-port", type=int, default=HTTP_PORT)
     parser.add_argument("--grpc-port", type=int, default=GRPC_PORT)
@@ -442,6 +444,11 @@ def llm_instances(args: argparse.Namespace) -> tuple[int, str | None] | None:
     return args.instances or 1, None if args.instance_kind is None else f"KIND_{args.instance_kind.upper()}"
 
 
+def tensor_parallel_parameters(args: argparse.Namespace) -> dict[str, str]:
+    """The llm model's tensor_parallel_size parameter from --tensor-parallel-size; {} when not given."""
+    return {} if args.tensor_parallel_size is None else {"tensor_parallel_size": str(args.tensor_parallel_size)}
+
+
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -453,6 +460,7 @@ def run(args: argparse.Namespace) -> int:
         params["quantization"] = args.quantization
     if args.speculative_config is not None:
         params["speculative_config"] = args.speculative_config  # checked by the engine at load
+    params.update(tensor_parallel_parameters(args))
     params.update(lora_parameters(args))
     model = args.model
     if model is None:

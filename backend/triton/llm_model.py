@@ -160,4 +160,7 @@ class TritonPythonModel:
             self._startup_error = error
         self._loop_ready.set()
         if self._startup_error is None:
-            self._loop.run()
+            try:
+                self._loop.run()
+            finally:
+                self._loop.engine.shutdown()  # joins the tensor-parallel workers

@@ -47,7 +47,7 @@ LORA_RUNTIME_UPDATES_PARAMETER = "enable_lora_runtime_updates"
 
 _INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
                    "max_model_len", "max_num_waiting", "seed", "cpu_threads", "max_loras", "max_lora_rank",
-                   "max_cpu_loras")
+                   "max_cpu_loras", "tensor_parallel_size")
 _FLOAT_PARAMETERS = ("gpu_memory_utilization",)
 _BOOL_PARAMETERS = ("enable_prefix_caching", "enable_lora")
 _STRING_PARAMETERS = ("dtype", "device", "speculative_config")  # speculative_config: JSON the engine checks
