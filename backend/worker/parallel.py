@@ -102,7 +102,7 @@ class TensorParallel:
     """One rank's membership of the tensor-parallel group. Rank 0 broadcasts each step's plan; the others
     receive it. Once a collective fails every later call raises the same TensorParallelError."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device,
+    def __init__(self, rank: int, world_size: int, store: dist.Store, device: torch.device,
                  timeout: float = COLLECTIVE_TIMEOUT_SECONDS, liveness: Liveness | None = None):
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group; one tensor-parallel "
@@ -111,7 +111,10 @@ class TensorParallel:
         self.failure: str | None = None
         # Rank 0's probe of its workers: given seconds to wait for one to exit, a description of a dead one.
         self.liveness: Liveness = liveness or (lambda wait: None)
-        store = _join(init_method, rank, world_size, timeout, self.liveness)
+        if rank:
+            store.add(_JOINED, 1)
+        else:
+            _wait_for_ranks(store, world_size, timeout, self.liveness)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
@@ -177,26 +180,26 @@ class TensorParallel:
         raise TensorParallelError(self.failure) from error
 
 
-def _join(init_method: str, rank: int, world_size: int, timeout: float, liveness: Liveness) -> dist.Store:
-    """The rendezvous store at tcp://HOST:PORT (rank 0 serves it); rank 0 returns once every rank has joined,
-    failing at once (not at the timeout) when one of its workers exits first."""
+def open_store(init_method: str, is_master: bool, timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> dist.TCPStore:
+    """The rendezvous store at tcp://HOST:PORT, which rank 0 serves and every other rank connects to."""
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
     if not init_method.startswith("tcp://") or not host or not port.isdigit():
         raise ValueError(f"tensor-parallel init method must be tcp://HOST:PORT, got {init_method!r}")
-    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False)
-    if rank:
-        store.add(_JOINED, 1)
-        return store
+    return dist.TCPStore(host, int(port), is_master=is_master, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def _wait_for_ranks(store: dist.Store, world_size: int, timeout: float, liveness: Liveness) -> None:
+    """Return once every other rank has joined; fail at once (not at the timeout) when a worker exits first."""
     deadline = time.monotonic() + timeout
     while store.add(_JOINED, 0) < world_size - 1:
         dead = liveness(0.0)
         if dead is not None:
             raise TensorParallelError(f"{dead} before joining the group")
         if time.monotonic() > deadline:
-            raise TensorParallelError(f"tensor-parallel workers did not join {init_method} within {timeout:g} s")
+            raise TensorParallelError(f"{world_size - 1 - store.add(_JOINED, 0)} tensor-parallel ranks did not "
+                                      f"join within {timeout:g} s")
         time.sleep(0.05)
-    return store
 
 
 Liveness = Callable[[float], "str | None"]

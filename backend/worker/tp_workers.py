@@ -1,11 +1,17 @@
 """The tensor-parallel worker processes: rank 0 (the engine's process) spawns ranks 1..N-1, each of which builds
-its ModelRunner (its shard and its KV heads) and runs every step plan rank 0 broadcasts until told to stop."""
+its ModelRunner (its shard and its KV heads) and runs every step plan rank 0 broadcasts until told to stop.
+
+Several nodes: rank 0's node sets MASTER_ADDR / MASTER_PORT (an address the others reach) and LOCAL_WORLD_SIZE
+(the ranks it runs, 0..L-1); each other rank runs `python -m pagedserve.backend.worker.tp_workers` with the same
+MASTER_ADDR / MASTER_PORT, its RANK and LOCAL_RANK (its device on its node), and reads the engine's configs from
+the rendezvous store (the model folder must be at the same path)."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
+import pickle
 import socket
 import sys
 from multiprocessing.process import BaseProcess
@@ -18,6 +24,7 @@ from pagedserve.backend.worker.parallel import (
     TensorParallel,
     TensorParallelError,
     check_tensor_parallel,
+    open_store,
 )
 
 from pagedserve import kernels
@@ -25,6 +32,7 @@ from pagedserve import kernels
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_SECONDS = 10.0
+_CONFIGS = "pagedserve/configs"  # the store key of the pickled (model, cache, scheduler) configs
 
 
 def rendezvous(environ: dict[str, str] | None = None) -> str:
@@ -58,19 +66,24 @@ class TPWorkers:
                init_method: str | None = None) -> TPWorkers:
         """Spawn ranks 1..N-1 and join the group as rank 0 (the rendezvous waits for all of them)."""
         world = model_config.tensor_parallel_size
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+        if not 1 <= local <= world:
+            raise ValueError(f"LOCAL_WORLD_SIZE must be in [1, tensor_parallel_size {world}], got {local}")
         init_method = init_method or rendezvous()
+        store = open_store(init_method, is_master=True)
+        store.set(_CONFIGS, pickle.dumps((model_config, cache_config, scheduler_config)))
         context = multiprocessing.get_context("spawn")
         if not os.path.basename(sys.executable).startswith("python"):  # a host such as Triton's stub
             context.set_executable(os.path.join(sys.prefix, "bin", "python3"))
         processes = []
-        for rank in range(1, world):
+        for rank in range(1, local):
             process = context.Process(target=worker_main, name=f"pagedserve-tp{rank}", daemon=True,
-                                      args=(rank, init_method, model_config, cache_config, scheduler_config))
+                                      args=(rank, init_method))
             process.start()
             processes.append(process)
         workers = cls(processes)
         try:
-            workers.group = TensorParallel(0, world, init_method, rank_device(model_config.device, 0),
+            workers.group = TensorParallel(0, world, store, rank_device(model_config.device, 0),
                                            liveness=workers.dead_worker)
         except BaseException:
             _end(processes)
@@ -131,14 +144,16 @@ def start_runner(model_config: ModelConfig, cache_config: CacheConfig, scheduler
         raise
 
 
-def worker_main(rank: int, init_method: str, model_config: ModelConfig, cache_config: CacheConfig,
-                scheduler_config: SchedulerConfig, timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> None:
-    """Rank `rank`'s process: join the group, build its runner, run each broadcast plan until None. Also the
-    entry a launcher on another node calls with the same init method and configs."""
-    device = rank_device(model_config.device, rank)
+def worker_main(rank: int, init_method: str, local_rank: int | None = None,
+                timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> None:
+    """Rank `rank`'s process: read the configs rank 0 published, join the group, build its runner, run each
+    broadcast plan until None. `local_rank` (default `rank`) places it on its node's devices."""
+    store = open_store(init_method, is_master=False, timeout=timeout)
+    model_config, cache_config, scheduler_config = pickle.loads(store.get(_CONFIGS))
+    device = rank_device(model_config.device, rank if local_rank is None else local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton kernels launch on the current device
-    group = TensorParallel(rank, model_config.tensor_parallel_size, init_method, device, timeout)
+    group = TensorParallel(rank, model_config.tensor_parallel_size, store, device, timeout)
     try:
         runner = ModelRunner(model_config, cache_config, scheduler_config, None, group)
         while (plan := group.broadcast(None)) is not None:
@@ -151,3 +166,15 @@ def worker_main(rank: int, init_method: str, model_config: ModelConfig, cache_co
         sys.exit(1)
     finally:
         group.close()
+
+
+def main() -> None:
+    """A rank on another node, from the environment: MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK."""
+    logging.basicConfig(level=logging.INFO)
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise SystemExit("a tensor-parallel rank needs MASTER_ADDR and MASTER_PORT (rank 0's rendezvous)")
+    worker_main(int(os.environ["RANK"]), rendezvous(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model.sharding import shard_tensor
+from pagedserve.backend.worker.parallel import TensorParallel, TensorParallelError, open_store
 from pagedserve.backend.worker.tp_workers import rendezvous
 
 from pagedserve.testing import make_tiny_model
@@ -95,23 +98,42 @@ def _assert_tp2_matches(path: Path, hf_reference) -> None:
         assert logprobs == pytest.approx(expected[f"r{i}"][1], abs=1e-4)
 
 
-def test_tp2_llama_with_row_parallel_biases_matches_tp1_and_transformers_over_env_rendezvous(
+def test_tp2_llama_with_row_parallel_biases_matches_tp1_and_transformers_as_two_nodes(
         tiny_llama_biased, hf_reference, monkeypatch):
-    port = _free_port()
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    assert rendezvous() == f"tcp://127.0.0.1:{port}"
-    _assert_tp2_matches(tiny_llama_biased, hf_reference)
+    # Rank 1 started by its own command, as on another node, meeting rank 0 at MASTER_ADDR:MASTER_PORT.
+    node = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    for key, value in {**node, "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert rendezvous() == f"tcp://127.0.0.1:{node['MASTER_PORT']}"
+    rank1 = subprocess.Popen([sys.executable, "-m", "pagedserve.backend.worker.tp_workers"],
+                             env={**os.environ, **node, "RANK": "1", "LOCAL_RANK": "0"})
+    try:
+        _assert_tp2_matches(tiny_llama_biased, hf_reference)
+        assert rank1.wait(timeout=30) == 0  # told to stop by rank 0's shutdown
+    finally:
+        rank1.kill()
+        rank1.wait()
 
 
 def test_tp2_qwen2_tied_matches_tp1_and_transformers(tiny_qwen2_tied, hf_reference):
     _assert_tp2_matches(tiny_qwen2_tied, hf_reference)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_phi3"])
 def test_tp2_qwen3_and_phi3_match_tp1_and_transformers(model_fixture, request, hf_reference):
     _assert_tp2_matches(request.getfixturevalue(model_fixture), hf_reference)
+
+
+def test_a_worker_that_exits_before_joining_fails_the_start_at_once():
+    import torch
+    import torch.distributed as dist
+
+    store = open_store(f"tcp://127.0.0.1:{_free_port()}", is_master=True)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 .* exited with code 1 before joining"):
+        TensorParallel(0, 2, store, torch.device("cpu"),
+                       liveness=lambda wait: "tensor-parallel worker rank 1 (pid 1) exited with code 1")
+    assert time.monotonic() - start < 5 and not dist.is_initialized()
 
 
 def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart(tiny_phi3):
