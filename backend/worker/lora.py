@@ -106,19 +106,21 @@ class LoRAManager:
             if held == lora_id:
                 self.slot_ids[slot] = 0
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        """Set the step's per-row slots (rows in `scheduled` order, num_scheduled_tokens each); None when no
-        scheduled request has an adapter."""
-        ids = [item.request.sampling_params.lora_int_id for item in scheduled]
-        if not any(ids):
+    def prepare(self, scheduled: Sequence[ScheduledRequest]) -> Sequence[ScheduledRequest]:
+        """The step's requests ordered by adapter (base first, stable), whose rows the runner lays out in that
+        order, num_scheduled_tokens each; sets their per-row slots, None when no request has an adapter."""
+        if not any(item.request.sampling_params.lora_int_id for item in scheduled):
             self.step.slots = self.step.groups = None
-            return
+            return scheduled
+        scheduled = sorted(scheduled, key=lambda item: item.request.sampling_params.lora_int_id)
+        ids = [item.request.sampling_params.lora_int_id for item in scheduled]
         slot_of = self._activate({i for i in ids if i})
         per_item = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int32)
         counts = torch.tensor([item.num_scheduled_tokens for item in scheduled], dtype=torch.int64)
         rows = torch.repeat_interleave(per_item, counts, output_size=int(counts.sum()))
         self.step.slots = rows.to(self.device, non_blocking=True)
         self.step.groups = group_slots(self.step.slots)
+        return scheduled
 
     def _activate(self, lora_ids: set[int]) -> dict[int, int]:
         """A slot for each of the step's adapters (at most max_loras): resident ones stay, others are loaded

@@ -198,9 +198,10 @@ class ModelRunner:
         """Apply block copies, run one forward over every scheduled token, return the needed logits."""
         with torch.inference_mode():
             kernels.copy_blocks(self.key_caches, self.value_caches, scheduler_output.block_copies)
-            if self.lora is not None:
-                self.lora.prepare(scheduler_output.scheduled)
-            batch = self._prepare(scheduler_output.scheduled)
+            scheduled = scheduler_output.scheduled
+            if self.lora is not None:  # rows of one adapter together: each kernel call takes them as a slice
+                scheduled = self.lora.prepare(scheduled)
+            batch = self._prepare(scheduled)
             if self.tp is not None:
                 self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
                                               batch.meta))

@@ -179,3 +179,14 @@ def test_other_families_match_peft(arch, tmp_path, peft_reference):
     got = [lp[t] for lp, t in zip(with_adapter.outputs[0].logprobs, tokens, strict=True)]
     assert got == pytest.approx(logprobs, abs=1e-4)
     assert without.outputs[0].token_ids == peft_reference.greedy(base, None, prompt, MAX_NEW_TOKENS)[0] != tokens
+
+
+def test_a_step_lays_each_adapters_rows_out_together(tiny_llama_path, adapters):
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, max_loras=2, block_size=4, num_blocks=64,
+                        lora_modules={name: str(path) for name, path in adapters.items()})
+    for i, name in enumerate(["a1", None, "a2", "a1", None]):
+        engine.add_request(f"r{i}", None, greedy(4, lora_name=name), prompt_token_ids=_prompts(5)[i])
+    engine.step()  # a1's requests and the base ones; a2 (a second load) waits a step
+    engine.step()  # decodes of r0, r1, r3, r4 and r2's prompt: a1's rows r0 and r3 are not neighbours
+    groups = engine.runner.lora.step.groups.groups
+    assert len(groups) == 2 and all(isinstance(rows, slice) for _, rows in groups), groups
