@@ -29,8 +29,9 @@ def adapter_module(item: str) -> tuple[str, str]:
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the LoRA options of `serve`."""
     group = parser.add_argument_group("LoRA adapters")
-    group.add_argument("--lora", action="append", type=adapter_module, default=[], metavar="NAME=PATH",
-                       help="serve the PEFT adapter in folder PATH as model NAME (repeatable; turns LoRA on)")
+    group.add_argument("--lora", "--lora-modules", action="extend", nargs="+", type=adapter_module, default=[],
+                       metavar="NAME=PATH", help="serve the PEFT adapter in folder PATH as model NAME (repeatable, "
+                       "or several after one flag as vLLM's --lora-modules; turns LoRA on)")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters even with no --lora (ones loaded at run time)")
     group.add_argument("--max-loras", type=int, default=None, help="adapters resident for the batch at once")

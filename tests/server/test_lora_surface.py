@@ -120,6 +120,8 @@ def test_serve_lora_flags_write_multi_lora_json_and_the_parameters(tmp_path):
         (tmp_path / name).mkdir()
     args = _serve_args("--lora", f"sql={tmp_path / 'sql'}", "--lora", f"chat={tmp_path / 'chat'}",
                        "--max-loras", "2", "--enable-lora-runtime-updates", "--lora-separator", "_lora_")
+    vllm_form = _serve_args("--lora-modules", f"sql={tmp_path / 'sql'}", f"chat={tmp_path / 'chat'}")
+    assert lora_modules(vllm_form) == lora_modules(args)
     params = lora_parameters(args)
     assert params == {"enable_lora": "true", "max_loras": "2", "enable_lora_runtime_updates": "true"}
     assert lora_shim_flags(args) == ["--enable-lora-runtime-updates", "--lora-separator", "_lora_"]
