@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve.backend.core.errors import InvalidRequestError, json_object
 
@@ -138,22 +139,24 @@ class LoRAConfig:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})", "max_cpu_loras")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 _SPECULATIVE_KEYS = (
-    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "model")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`: n-gram (prompt-lookup) drafts of `num_speculative_tokens`, matched on the
-    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min` (one given sets the other); no
-    drafts in a step while `disable_by_batch_size` or more requests run (None: always speculate)."""
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min` (one given sets the other), or
+    (method "draft_model") the greedy continuation of the draft model folder `model`, which shares the
+    target's tokenizer; no drafts in a step while `disable_by_batch_size` or more requests run (None: always)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -161,6 +164,7 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
                 "speculative_config.method",
             )
+        self._check_model()
         _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 64)
         if self.disable_by_batch_size is not None:
             _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
@@ -177,6 +181,19 @@ class SpeculativeConfig:
                 f"prompt_lookup_max ({self.prompt_lookup_max})",
                 "speculative_config.prompt_lookup_min",
             )
+
+    def _check_model(self) -> None:
+        """A draft model is a folder, given with method draft_model only."""
+        if self.method != "draft_model":
+            if self.model is not None:
+                raise InvalidRequestError(
+                    f"speculative_config.model is for method 'draft_model', not {self.method!r}",
+                    "speculative_config.model")
+            return
+        if not isinstance(self.model, str) or not Path(self.model).is_dir():
+            raise InvalidRequestError(
+                f"speculative_config.model must be a model folder for method 'draft_model', got {self.model!r}",
+                "speculative_config.model")
 
     @classmethod
     def from_value(cls, value: object) -> SpeculativeConfig | None:

@@ -41,8 +41,9 @@ from pagedserve.backend.engine.input_processing import (
 )
 from pagedserve.backend.engine.lora import LoRAEngineMixin, LoRARegistry
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
+from pagedserve.backend.engine.spec_draft import make_speculator
 from pagedserve.backend.engine.spec_verify import Run, sample_step
-from pagedserve.backend.engine.speculative import NgramSpeculator, record_run
+from pagedserve.backend.engine.speculative import record_run
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
 from pagedserve.backend.worker.model_runner import ModelRunnerOutput
@@ -82,8 +83,7 @@ class LLMEngine(LoRAEngineMixin):
         self.scheduler = Scheduler(scheduler_config, cache_config, self.runner.num_blocks, **self.lora.scheduler_args())
         self.sampler = Sampler(self.eos_token_ids)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.speculator = None if speculative_config is None else NgramSpeculator(
-            speculative_config, scheduler_config.max_model_len)
+        self.speculator = make_speculator(speculative_config, self)
         # Test hook: called with the SchedulerOutput before each forward; raising fails that step's requests.
         self.fault_injector: FaultInjector | None = None
         self._groups: dict[str, RequestGroup] = {}  # by user request id
@@ -215,7 +215,10 @@ class LLMEngine(LoRAEngineMixin):
             try:
                 if self.fault_injector is not None:
                     self.fault_injector(sched)
-                self._process(sched, self.runner.execute(sched))
+                runner_out = self.runner.execute(sched)
+                if self.speculator is not None:
+                    self.speculator.observe(sched)  # a draft model runs the same step
+                self._process(sched, runner_out)
             except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
                 logger.exception("step failed; ending its %d requests with an error", len(sched.scheduled))
                 self._fail_step(sched, f"{type(exc).__name__}: {exc}")

@@ -86,6 +86,9 @@ class NgramSpeculator:
             for i in range(n):
                 self.accepted_per_pos[i] += 1
 
+    def observe(self, sched: Any) -> None:
+        """Nothing: n-gram drafts need nothing of the step the target ran (a draft model does)."""
+
     def stats(self) -> dict[str, Any]:
         """Running totals with vLLM's names (less the `vllm:spec_decode_` prefix and `_total` suffix);
         the per-position counts by position, 0 first."""

@@ -145,7 +145,7 @@ def test_json_text_config_is_taken_as_a_dict():
 @pytest.mark.parametrize(
     ("value", "field"),
     [
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "speculative_config.method"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "speculative_config.method"),
         ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
         ({"num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
         ({"num_speculative_tokens": True}, "speculative_config.num_speculative_tokens"),
