@@ -29,18 +29,21 @@ logger = logging.getLogger(__name__)
 
 class LoRAStep:
     """What every wrapped projection reads during one forward: each token row's slot, or None when no row has
-    an adapter (then the wrappers do no LoRA work at all), and the rows grouped by slot once for all calls."""
+    an adapter (then the wrappers do no LoRA work at all), the rows grouped by slot once for all calls, and the
+    slots the step uses."""
 
-    __slots__ = ("slots", "groups")
+    __slots__ = ("slots", "groups", "active")
 
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None  # [T] int32, -1 = base model
         self.groups: SlotGroups | None = None
+        self.active: tuple[int, ...] = ()
 
 
 class LoRALinear(nn.Module):
     """base(x), plus for the rows with an adapter x @ A.T @ B.T into each part's column slice (the fused q|k|v or
-    gate|up projections have one A/B pair per part; A's of all parts stacked so one shrink serves them)."""
+    gate|up projections have one A/B pair per part; A's of all parts stacked so one shrink serves them). A part
+    no adapter of the step targets is skipped, and the whole projection when none targets any part."""
 
     def __init__(self, base: nn.Module, step: LoRAStep, lora_a: torch.Tensor, lora_b: list[torch.Tensor],
                  rank: int):
@@ -51,6 +54,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", lora_a, persistent=False)  # [S, parts * R, K]
         self.lora_b = lora_b  # per part: [S, N_part, R]
         self.offsets = [sum(b.shape[1] for b in lora_b[:i]) for i in range(len(lora_b))]
+        self.targeted = [[False] * lora_a.shape[0] for _ in lora_b]  # [part][slot]: the slot's adapter has it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """As the base projection, plus each row's adapter delta."""
@@ -58,11 +62,16 @@ class LoRALinear(nn.Module):
         slots = self.step.slots
         if slots is None:
             return out
+        active = self.step.active
+        parts = [i for i, targeted in enumerate(self.targeted) if any(targeted[s] for s in active)]
+        if not parts:
+            return out
         groups = self.step.groups
         y = kernels.lora_shrink(x, self.lora_a, slots, groups)  # [T, parts * R]
         rank = self.rank
-        for i, (lora_b, offset) in enumerate(zip(self.lora_b, self.offsets, strict=True)):
-            kernels.lora_expand_add(out, y[:, i * rank : (i + 1) * rank], lora_b, slots, offset, groups)
+        for i in parts:
+            kernels.lora_expand_add(out, y[:, i * rank : (i + 1) * rank], self.lora_b[i], slots, self.offsets[i],
+                                    groups)
         return out
 
 
@@ -120,6 +129,7 @@ class LoRAManager:
         rows = torch.repeat_interleave(per_item, counts, output_size=int(counts.sum()))
         self.step.slots = rows.to(self.device, non_blocking=True)
         self.step.groups = group_slots(self.step.slots)
+        self.step.active = tuple(slot_of.values())
         return scheduled
 
     def _activate(self, lora_ids: set[int]) -> dict[int, int]:
@@ -153,6 +163,7 @@ class LoRAManager:
                 lora_b = linear.lora_b[i][slot]
                 lora_b.zero_()
                 pair = adapter.weights.get((layer, part))
+                linear.targeted[i][slot] = pair is not None
                 if pair is not None:
                     linear.lora_a[slot, i * r_max : i * r_max + rank].copy_(pair[0])
                     lora_b[:, :rank].copy_(pair[1])

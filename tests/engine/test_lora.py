@@ -143,17 +143,21 @@ def test_prefix_cache_hits_within_an_adapter_never_across(tiny_llama_path, adapt
     assert cached("a1") == 0
 
 
-def test_a_base_only_step_does_no_lora_work(tiny_llama_path, adapters, monkeypatch):
+def test_lora_work_is_skipped_where_no_adapter_of_the_step_applies(tiny_llama_path, adapters, monkeypatch):
     from pagedserve import kernels
 
-    engine = cpu_engine(tiny_llama_path, enable_lora=True, lora_modules={"a1": str(adapters["a1"])}, num_blocks=32)
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, num_blocks=32,
+                        lora_modules={name: str(path) for name, path in adapters.items()})
     calls = []
     shrink = kernels.lora_shrink
     monkeypatch.setattr(kernels, "lora_shrink", lambda *args: calls.append(1) or shrink(*args))
     engine.generate([_prompts(1)[0]], greedy(3))
     assert calls == [] and engine.runner.lora.step.slots is None
-    engine.generate([_prompts(1)[0]], greedy(3, lora_name="a1"))
-    assert calls, "an adapter's rows go through the shrink kernel"
+    engine.generate([_prompts(1)[0]], greedy(1, lora_name="a1"))
+    assert len(calls) == 4 * engine.runner.arch.num_layers, "a1 adapts all four projections of every layer"
+    calls.clear()
+    engine.generate([_prompts(1)[0]], greedy(1, lora_name="a2"))
+    assert len(calls) == 3 * engine.runner.arch.num_layers, "a2 has no gate_proj or up_proj: gate_up_proj is skipped"
 
 
 FAMILIES = {
