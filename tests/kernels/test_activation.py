@@ -55,7 +55,10 @@ def test_gelu_tanh_and_mul_triton_equals_reference(dtype):
     x = x.to(dtype)
     out = activation_triton.gelu_tanh_and_mul(x)
     assert out.shape == (4, 1100)
-    torch.testing.assert_close(out, reference.gelu_tanh_and_mul(x), **triton_tol(dtype))
+    # The kernel's sigmoid form keeps the tail (|value| ~1e-6 at gate ~ -5) that the reference's 1 + tanh rounds
+    # to zero, so fp32 is held to 1e-5 absolute on outputs of order 10.
+    tol = triton_tol(dtype) if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-6}
+    torch.testing.assert_close(out, reference.gelu_tanh_and_mul(x), **tol)
 
 
 def test_gelu_tanh_and_mul_dispatch_serves_the_cpu():
