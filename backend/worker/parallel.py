@@ -5,6 +5,7 @@ step plan rank 0 broadcasts so every rank runs the same forward."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +28,17 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# How long a collective (a step's all-reduce, the plan broadcast, the start-up rendezvous) may wait for a rank.
+# How long a collective (a step's all-reduce, the start-up rendezvous) may wait for a rank; the environment's
+# PAGEDSERVE_TP_TIMEOUT_SECONDS overrides it (spawned ranks inherit it).
 COLLECTIVE_TIMEOUT_SECONDS = 120.0
+TIMEOUT_ENV = "PAGEDSERVE_TP_TIMEOUT_SECONDS"
+# A worker waits for rank 0's next plan as long as the engine idles: no timeout (a dead rank 0 still ends it).
+_PLAN_WAIT = timedelta(days=3650)
+
+
+def collective_timeout() -> float:
+    """Seconds a collective may wait: PAGEDSERVE_TP_TIMEOUT_SECONDS, else COLLECTIVE_TIMEOUT_SECONDS."""
+    return float(os.environ.get(TIMEOUT_ENV) or COLLECTIVE_TIMEOUT_SECONDS)
 
 
 class TensorParallelError(RuntimeError):
@@ -103,11 +113,12 @@ class TensorParallel:
     receive it. Once a collective fails every later call raises the same TensorParallelError."""
 
     def __init__(self, rank: int, world_size: int, store: dist.Store, device: torch.device,
-                 timeout: float = COLLECTIVE_TIMEOUT_SECONDS, liveness: Liveness | None = None):
+                 timeout: float | None = None, liveness: Liveness | None = None):
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group; one tensor-parallel "
                                "engine per process")
         self.rank, self.world_size, self.device = rank, world_size, device
+        timeout = collective_timeout() if timeout is None else timeout
         self.failure: str | None = None
         # Rank 0's probe of its workers: given seconds to wait for one to exit, a description of a dead one.
         self.liveness: Liveness = liveness or (lambda wait: None)
@@ -118,8 +129,8 @@ class TensorParallel:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
-        # NCCL moves tensors only; the pickled plans go over gloo.
-        self.plan_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        # The plans go over a gloo group of their own (NCCL moves tensors only), which never times out.
+        self.plan_group = dist.new_group(backend="gloo", timeout=_PLAN_WAIT)
 
     def load_model(self, path: str | Path, dtype: torch.dtype, max_position: int) -> nn.Module:
         """This rank's shard of the model, its row-parallel projections wrapped to all-reduce."""
@@ -142,10 +153,10 @@ class TensorParallel:
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The fewest KV blocks any rank can hold: every rank's cache takes the same block ids."""
-        value = torch.tensor([num_blocks], dtype=torch.int64)
+        value = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
         self._check()
         try:
-            dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.plan_group)
+            dist.all_reduce(value, op=dist.ReduceOp.MIN)
         except Exception as error:  # noqa: BLE001
             self._fail(error)
         return int(value.item())
@@ -180,11 +191,12 @@ class TensorParallel:
         raise TensorParallelError(self.failure) from error
 
 
-def open_store(init_method: str, is_master: bool, timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> dist.TCPStore:
+def open_store(init_method: str, is_master: bool, timeout: float | None = None) -> dist.TCPStore:
     """The rendezvous store at tcp://HOST:PORT, which rank 0 serves and every other rank connects to."""
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
     if not init_method.startswith("tcp://") or not host or not port.isdigit():
         raise ValueError(f"tensor-parallel init method must be tcp://HOST:PORT, got {init_method!r}")
+    timeout = collective_timeout() if timeout is None else timeout
     return dist.TCPStore(host, int(port), is_master=is_master, timeout=timedelta(seconds=timeout),
                          wait_for_workers=False)
 

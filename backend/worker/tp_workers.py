@@ -20,7 +20,6 @@ import torch
 from pagedserve.backend.core.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from pagedserve.backend.worker.model_runner import ModelRunner, resolve_device
 from pagedserve.backend.worker.parallel import (
-    COLLECTIVE_TIMEOUT_SECONDS,
     TensorParallel,
     TensorParallelError,
     check_tensor_parallel,
@@ -145,7 +144,7 @@ def start_runner(model_config: ModelConfig, cache_config: CacheConfig, scheduler
 
 
 def worker_main(rank: int, init_method: str, local_rank: int | None = None,
-                timeout: float = COLLECTIVE_TIMEOUT_SECONDS) -> None:
+                timeout: float | None = None) -> None:
     """Rank `rank`'s process: read the configs rank 0 published, join the group, build its runner, run each
     broadcast plan until None. `local_rank` (default `rank`) places it on its node's devices."""
     store = open_store(init_method, is_master=False, timeout=timeout)

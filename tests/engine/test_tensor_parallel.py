@@ -17,7 +17,7 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model.sharding import shard_tensor
-from pagedserve.backend.worker.parallel import TensorParallel, TensorParallelError, open_store
+from pagedserve.backend.worker.parallel import TIMEOUT_ENV, TensorParallel, TensorParallelError, open_store
 from pagedserve.backend.worker.tp_workers import rendezvous
 
 from pagedserve.testing import make_tiny_model
@@ -180,11 +180,17 @@ def test_moe_lora_and_quantization_at_load_are_refused_under_tp(tmp_path):
         assert error.value.field == "tensor_parallel_size"
 
 
-def test_a_killed_worker_fails_the_step_with_a_clear_error_and_no_hang(tmp_path):
+def test_an_idle_worker_outlives_the_collective_timeout_and_a_killed_one_fails_the_step_without_a_hang(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv(TIMEOUT_ENV, "2")
     path = make_tiny_model(tmp_path, "llama", seed=25)
     engine = cpu_engine(path, num_blocks=32, block_size=4, **TP2)
     try:
         (worker,) = engine.workers.processes
+        (first,) = engine.generate([5, 6, 7], greedy(3))
+        time.sleep(3)  # idle past the timeout: the worker waits for the next plan without one
+        (again,) = engine.generate([5, 6, 7], greedy(3))
+        assert again.error is None and again.outputs[0].token_ids == first.outputs[0].token_ids
         engine.add_request("before", None, greedy(40), prompt_token_ids=[5, 6, 7, 8])
         assert engine.step()[0].error is None
         os.kill(worker.pid, signal.SIGKILL)
