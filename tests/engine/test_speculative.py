@@ -54,6 +54,11 @@ def baseline(tiny_llama_path) -> dict[str, CompletionOutput]:
     return run(cpu_engine(tiny_llama_path, block_size=4, num_blocks=128, max_model_len=256), PROMPTS, greedy(40))
 
 
+def test_the_baseline_is_transformers_greedy_output(tiny_llama_path, baseline, hf_reference):
+    for i, prompt in enumerate(PROMPTS):
+        assert baseline[f"r{i}"].token_ids == hf_reference.greedy(tiny_llama_path, prompt, 40)[0]
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_tokens_equal_tokens_without_speculation(tiny_llama_path, baseline, k):
     engine = cpu_engine(tiny_llama_path, block_size=4, num_blocks=128, max_model_len=256, speculative_config=spec(k))
