@@ -1,15 +1,22 @@
-"""Instance groups through tritonserver: one llm engine against two (Triton's `instance_group` count 2) on
-this machine's cores, the same seeded closed-loop workload over gRPC.
+"""Instance groups and tensor parallelism through tritonserver: one llm engine against two (Triton's
+`instance_group` count 2) and against one engine split over two ranks (`tensor_parallel_size` 2, gloo) on this
+machine's cores, the same seeded closed-loop workload over gRPC.
 
-Three layouts, each its own tritonserver (the llm model alone): one instance with all the cores as torch
-threads (`cpu_threads` unset, torch's default), one instance with one thread (what each of two gets), and two
-instances (each with half the cores and half the KV budget, the split the llm model makes by itself). At each
+Four layouts, each its own tritonserver (the llm model alone): one instance with all the cores as torch
+threads (`cpu_threads` unset, torch's default), one instance with one thread (what each of two gets), two
+instances (each with half the cores and half the KV budget, the split the llm model makes by itself), and one
+instance over two tensor-parallel ranks of one thread each. At each
 concurrency, `pagedserve bench`'s workload (log-normal prompt and output lengths, greedy, ignore_eos) runs
 `--rounds` times per layout, the layouts in ABC then CBA order. Output tokens/s, TTFT and ITL per run; the
 result JSON also holds each instance's share of the requests (its vllm:e2e_request_latency_seconds_count).
 
     python bench/scale.py            # default model (SmolLM2-135M), concurrency 4 and 16, 2 rounds
     python bench/scale.py --quick    # concurrency 8, 1 round, shorter outputs
+    python bench/scale.py --random-model --layouts "1 instance, 1 thread" "TP 2, 1 thread each"
+
+The default model's 9 attention heads do not split over two ranks: the TP layout needs another model
+(`--model`, or `--random-model`: a random Llama of 8 heads, 4 KV heads, hidden 512, 8 layers, from
+pagedserve.testing).
 """
 
 from __future__ import annotations
@@ -44,7 +51,10 @@ LAYOUTS = {
     "1 instance, all cores": (1, {}),
     "1 instance, 1 thread": (1, {"cpu_threads": "1"}),
     "2 instances": (2, {}),
+    "TP 2, 1 thread each": (1, {"tensor_parallel_size": "2", "cpu_threads": "1"}),
 }
+RANDOM_MODEL = {"hidden_size": 512, "num_heads": 8, "num_kv_heads": 4, "num_layers": 8, "intermediate_size": 1536,
+                "max_position_embeddings": 2048}
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="an llm parameter for every layout, e.g. dtype=float32")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--random-model", action="store_true",
+                        help="a random Llama that splits over two ranks (RANDOM_MODEL) instead of --model")
     parser.add_argument("--quick", action="store_true", help="concurrency 8, one round, 16 prompts of 32 tokens")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -116,10 +129,10 @@ def measure_layout(model: str, layout: str, args: argparse.Namespace, common: di
     return records
 
 
-def table(records: list[dict], concurrencies: list[int]) -> str:
+def table(records: list[dict], layouts: list[str], concurrencies: list[int]) -> str:
     """Median over rounds of tokens/s, TTFT p50 and ITL p50, per layout and concurrency."""
     lines = ["| layout | concurrency | output tok/s (median; runs) | TTFT p50 ms | ITL p50 ms |", "|---|---|---|---|---|"]
-    for layout in LAYOUTS:
+    for layout in layouts:
         for concurrency in concurrencies:
             runs = [r for r in records if r["layout"] == layout and r["concurrency"] == concurrency]
             rates = [r["output_throughput"] for r in runs]
@@ -133,7 +146,12 @@ def table(records: list[dict], concurrencies: list[int]) -> str:
 def main() -> int:
     args = parse_args()
     model = args.model
-    if model is None:
+    if args.random_model:
+        from pagedserve.testing import make_tiny_model
+
+        model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="pagedserve-scale-model-")), "llama",
+                                    **RANDOM_MODEL))
+    elif model is None:
         from pagedserve.backend.worker.default_model import ensure_default_model
 
         model = str(ensure_default_model())
@@ -141,10 +159,10 @@ def main() -> int:
     records = []
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for round_index in range(args.rounds):
-        order = list(LAYOUTS) if round_index % 2 == 0 else list(reversed(LAYOUTS))
+        order = list(args.layouts) if round_index % 2 == 0 else list(reversed(args.layouts))
         for layout in order:
             records.extend({"round": round_index, **r} for r in measure_layout(model, layout, args, common))
-    print(table(records, args.concurrency))
+    print(table(records, args.layouts, args.concurrency))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
         "started": started, "machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),

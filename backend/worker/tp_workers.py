@@ -17,6 +17,7 @@ import sys
 from multiprocessing.process import BaseProcess
 
 import torch
+import torch.distributed as dist
 from pagedserve.backend.core.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from pagedserve.backend.worker.model_runner import ModelRunner, resolve_device
 from pagedserve.backend.worker.parallel import (
@@ -99,7 +100,9 @@ class TPWorkers:
         return None
 
     def stop(self) -> None:
-        """Tell the workers to stop, join them (ending those that linger), leave the group."""
+        """Tell the workers to stop, join them (ending those that linger), leave the group; once."""
+        if not dist.is_initialized():
+            return
         if self.group.failure is None:
             try:
                 self.group.broadcast(None)
@@ -137,9 +140,8 @@ def start_runner(model_config: ModelConfig, cache_config: CacheConfig, scheduler
     try:
         return ModelRunner(model_config, cache_config, scheduler_config, None, workers.group), workers
     except BaseException:
-        workers.group.failure = workers.group.failure or "rank 0 failed to start"
+        workers.group.close()  # a worker waiting in a collective sees the connection close and exits
         _end(workers.processes)
-        workers.group.close()
         raise
 
 
