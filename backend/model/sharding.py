@@ -21,14 +21,16 @@ from torch import nn
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                     "Phi3ForCausalLM")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+KV_PROJECTIONS = ("k_proj", "v_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")  # our modules whose outputs the ranks sum
 
 
 def indivisible_field(cfg: ModelArchConfig, world_size: int) -> tuple[str, int] | None:
-    """(config.json field, its value) of the first size `world_size` ranks cannot split evenly; None if none."""
+    """(config.json field, its value) of the first size `world_size` ranks cannot split evenly; None if none.
+    Fewer KV heads than ranks are replicated when their number divides the ranks' (as vLLM does)."""
     for field, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
                          ("intermediate_size", cfg.intermediate_size)):
-        if value % world_size:
+        if value % world_size and not (field == "num_key_value_heads" and world_size % value == 0):
             return field, value
     return None
 
@@ -42,7 +44,7 @@ def shard_config(cfg: ModelArchConfig, world_size: int) -> ModelArchConfig:
     if bad is not None:
         raise UnsupportedModelError(f"tensor_parallel_size {world_size} does not divide {bad[0]} ({bad[1]})")
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // world_size,
-                               num_kv_heads=cfg.num_kv_heads // world_size,
+                               num_kv_heads=max(1, cfg.num_kv_heads // world_size),
                                intermediate_size=cfg.intermediate_size // world_size)
 
 
@@ -52,16 +54,29 @@ def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelArchConfig, rank: in
     bias stays on rank 0 only (zeros elsewhere), so the ranks' sum adds it once."""
     module, _, leaf = name.rpartition(".")
     last = module.rsplit(".", 1)[-1]
+    if last in KV_PROJECTIONS:
+        return _kv_rows(tensor, cfg, rank, world_size)
     if last in COLUMN_PARALLEL:
         return tensor.chunk(world_size, 0)[rank]
-    if last in ("qkv_proj", "gate_up_proj"):  # stored fused: each part split on its own
-        sizes = qkv_sizes(cfg) if last == "qkv_proj" else gate_up_sizes(cfg)
-        return torch.cat([part.chunk(world_size, 0)[rank] for part in tensor.split(sizes, 0)])
+    if last == "qkv_proj":  # stored fused: each part split on its own
+        q, k, v = tensor.split(qkv_sizes(cfg), 0)
+        return torch.cat([q.chunk(world_size, 0)[rank], _kv_rows(k, cfg, rank, world_size),
+                          _kv_rows(v, cfg, rank, world_size)])
+    if last == "gate_up_proj":
+        return torch.cat([part.chunk(world_size, 0)[rank] for part in tensor.split(gate_up_sizes(cfg), 0)])
     if last in ROW_PARALLEL:
         if leaf == "bias":
             return tensor if rank == 0 else torch.zeros_like(tensor)
         return tensor.chunk(world_size, 1)[rank]
     return tensor
+
+
+def _kv_rows(tensor: torch.Tensor, cfg: ModelArchConfig, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s K or V rows: its share of the KV heads, or (fewer heads than ranks) the one head its query
+    heads read, replicated on world_size / num_kv_heads ranks."""
+    if cfg.num_kv_heads >= world_size:
+        return tensor.chunk(world_size, 0)[rank]
+    return tensor.chunk(cfg.num_kv_heads, 0)[rank // (world_size // cfg.num_kv_heads)]
 
 
 def load_sharded_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int,

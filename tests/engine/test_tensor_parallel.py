@@ -4,6 +4,7 @@ split is refused naming the field; a killed worker fails the step with a clear e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -40,6 +41,12 @@ def tiny_llama_biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2 (q/k/v biases) with tied embeddings."""
     return make_tiny_model(tmp_path_factory.mktemp("tp-qwen2"), "qwen2", seed=22, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_mqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with one KV head for its 4 query heads: both ranks replicate it."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-llama-mqa"), "llama", seed=26, num_kv_heads=1)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +92,8 @@ def _assert_tp2_matches(path: Path, hf_reference) -> None:
     expected = _staggered(one)
     two = cpu_engine(path, **STAGGERED, **TP2)
     try:
-        assert two.runner.arch.num_kv_heads == one.runner.arch.num_kv_heads // 2  # each rank caches its half
+        # Each rank caches its half of the KV heads, or the one head it replicates.
+        assert two.runner.arch.num_kv_heads == max(1, one.runner.arch.num_kv_heads // 2)
         got = _staggered(two)
     finally:
         two.shutdown()
@@ -119,8 +127,8 @@ def test_tp2_qwen2_tied_matches_tp1_and_transformers(tiny_qwen2_tied, hf_referen
     _assert_tp2_matches(tiny_qwen2_tied, hf_reference)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_phi3"])
-def test_tp2_qwen3_and_phi3_match_tp1_and_transformers(model_fixture, request, hf_reference):
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_phi3", "tiny_llama_mqa"])
+def test_tp2_qwen3_phi3_and_a_replicated_kv_head_match_tp1_and_transformers(model_fixture, request, hf_reference):
     _assert_tp2_matches(request.getfixturevalue(model_fixture), hf_reference)
 
 
@@ -146,6 +154,11 @@ def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart(tiny_phi3):
     shard = shard_tensor("model.layers.0.self_attn.qkv_proj.weight", fused, cfg, 1, 2)
     expected = torch.cat([fused[q // 2 : q], fused[q + kv // 2 : q + kv], fused[q + kv + kv // 2 :]])
     assert torch.equal(shard, expected)
+    mqa = dataclasses.replace(cfg, num_kv_heads=1)  # one KV head: both ranks take all of K and V
+    q, kv = mqa.num_heads * mqa.head_dim, mqa.head_dim
+    fused = torch.arange(q + 2 * kv)[:, None].float()
+    shard = shard_tensor("model.layers.0.self_attn.qkv_proj.weight", fused, mqa, 1, 2)
+    assert torch.equal(shard, torch.cat([fused[q // 2 : q], fused[q:]]))
     bias = torch.ones(cfg.hidden_size)
     assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 1, 2), torch.zeros_like(bias))
     assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 0, 2), bias)
@@ -153,7 +166,7 @@ def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart(tiny_phi3):
 
 @pytest.mark.parametrize(("settings", "model_field"), [
     ({"num_heads": 6, "num_kv_heads": 2, "hidden_size": 48}, "num_attention_heads"),  # tp 4
-    ({"num_heads": 4, "num_kv_heads": 1}, "num_key_value_heads"),  # tp 2
+    ({"num_heads": 6, "num_kv_heads": 3, "hidden_size": 48}, "num_key_value_heads"),  # tp 2: 3 neither way
     ({"num_kv_heads": 4, "intermediate_size": 130}, "intermediate_size"),  # tp 4
 ])
 def test_a_size_the_ranks_cannot_split_is_refused_naming_the_field(tmp_path, settings, model_field):
