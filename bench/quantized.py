@@ -5,8 +5,10 @@ decode output tokens/s at concurrency 1, 8 and 32, and the mean |delta logprob| 
 
     python bench/quantized.py            # 128 new tokens per stream
     python bench/quantized.py --quick    # 32 new tokens, a smoke run
+    python bench/quantized.py --llama-cpp --only gguf_q4_1,int4_bf16   # beside llama.cpp on the same GGUF
 
-llama.cpp on the same GGUF (issue 19's comparison) is not run here yet.
+`--llama-cpp` adds llama.cpp on the same file and workload (bench/llamacpp_peer.py, built once into the cache):
+its Python binding for one stream, its own `llama-server --parallel N` for N streams.
 """
 
 from __future__ import annotations
@@ -46,14 +48,19 @@ def variants() -> dict[str, tuple[str, dict]]:
     }
 
 
+def prompt_ids(tokenizer, concurrency: int) -> list[list[int]]:
+    """The chat-templated prompts of `concurrency` streams, as token ids."""
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                             add_generation_prompt=True, tokenize=True)
+               for i in range(concurrency)]
+    return [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+
+
 def decode_tok_s(engine, concurrency: int, new_tokens: int) -> float:
     """Output tokens/s of `concurrency` greedy streams of `new_tokens` each, all submitted at once."""
     from pagedserve.backend.core.sampling_params import SamplingParams
 
-    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                                                    add_generation_prompt=True, tokenize=True)
-               for i in range(concurrency)]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    prompts = prompt_ids(engine.tokenizer, concurrency)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
@@ -86,10 +93,39 @@ def run_variant(path: str, settings: dict, new_tokens: int, concurrencies: list[
     return row
 
 
+def run_llama_cpp(new_tokens: int, concurrencies: list[int]) -> dict:
+    """llama.cpp on the default GGUF: the binding for one stream, llama-server --parallel N for N > 1."""
+    import tempfile
+
+    import llamacpp_peer
+    from pagedserve.backend.model.loader import load_tokenizer
+    from pagedserve.backend.worker.default_model import find_gguf
+
+    gguf = str(find_gguf())
+    tokenizer = load_tokenizer(gguf)
+    row: dict = {"tok_s": {}, "notes": []}
+    python, why = llamacpp_peer.binding_python()
+    if python is not None and 1 in concurrencies:
+        row["tok_s"]["1"] = round(llamacpp_peer.binding_tok_s(python, gguf, prompt_ids(tokenizer, 1), new_tokens, 1,
+                                                              Path(tempfile.mkdtemp())), 1)
+    elif python is None:
+        row["notes"].append(why)
+    binary, why = llamacpp_peer.server_binary()
+    if binary is None:
+        row["notes"].append(why)
+    for c in (c for c in concurrencies if c > 1 and binary is not None):
+        from pagedserve.client.launcher import free_loopback_ports
+
+        row["tok_s"][str(c)] = round(llamacpp_peer.server_tok_s(binary, gguf, prompt_ids(tokenizer, c), new_tokens,
+                                                                1, free_loopback_ports(1)[0]), 1)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 new tokens per stream")
     parser.add_argument("--only", default=None, help="comma-separated variants (default: all)")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF and workload")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     new_tokens = 32 if args.quick else 128
@@ -103,6 +139,9 @@ def main() -> None:
         row = run_variant(path, settings, new_tokens, concurrencies)
         report["variants"][name] = row
         print(f"{name}: {row['weight_MiB']} MiB, tok/s {row['tok_s']}", flush=True)
+    if args.llama_cpp:
+        report["llama_cpp"] = run_llama_cpp(new_tokens, concurrencies)
+        print(f"llama.cpp: tok/s {report['llama_cpp']['tok_s']} {report['llama_cpp']['notes']}", flush=True)
     base = report["variants"].get("fp32", {}).get("text_logprobs")
     for row in report["variants"].values():
         lps = row.pop("text_logprobs")

@@ -1,0 +1,148 @@
+"""llama.cpp beside pagedserve on the same GGUF file (issue 19's peer): the `llama-cpp-python` binding, built once
+into its own cache venv, decoding one stream; and llama.cpp's own `llama-server --parallel N`, built once from
+the binding's vendored source, serving N concurrent streams. Both greedy, `ignore_eos`, one thread each.
+
+Used by bench/quantized.py (`--llama-cpp`); `python bench/llamacpp_peer.py` only builds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PACKAGE = "llama-cpp-python==0.3.36"
+PEERS = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")).expanduser() / "peers"
+VENV = PEERS / "llama-cpp-venv"
+SERVER_BUILD = PEERS / "llama-server-build"
+# Serial builds: this bench runs on shared 2-core machines where a -j build starves every other process.
+_BUILD_ENV = {"CMAKE_BUILD_PARALLEL_LEVEL": "1", "CMAKE_ARGS": "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"}
+
+
+def binding_python(venv: Path = VENV) -> tuple[Path | None, str]:
+    """The python of a venv holding llama-cpp-python, built there on first use (~20 min); (None, why) on failure."""
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", "import llama_cpp"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python, ""
+    print(f"building {PACKAGE} into {venv} (once)...", file=sys.stderr, flush=True)
+    for step in ([sys.executable, "-m", "venv", str(venv)], [str(python), "-m", "pip", "install", "-q", PACKAGE]):
+        proc = subprocess.run(step, capture_output=True, text=True, env={**os.environ, **_BUILD_ENV})
+        if proc.returncode != 0:
+            return None, f"`{' '.join(step)}` failed: {proc.stderr.strip()[-500:]}"
+    return python, ""
+
+
+def server_binary(build: Path = SERVER_BUILD) -> tuple[Path | None, str]:
+    """llama.cpp's `llama-server`, built on first use from the vendored source of the same sdist."""
+    binary = build / "bin" / "llama-server"
+    if binary.is_file():
+        return binary, ""
+    build.mkdir(parents=True, exist_ok=True)
+    sdist_dir = build / "sdist"
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                           "-d", str(sdist_dir), PACKAGE], capture_output=True, text=True)
+    archives = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+    if proc.returncode != 0 or not archives:
+        return None, f"cannot download the {PACKAGE} sdist: {proc.stderr.strip()[-300:]}"
+    with tarfile.open(archives[0]) as tar:
+        tar.extractall(sdist_dir, filter="data")
+    source = next(sdist_dir.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    for step in (["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
+                 ["cmake", "--build", str(build), "--target", "llama-server", "-j", "1"]):
+        proc = subprocess.run(step, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return None, f"`{' '.join(step)}` failed: {proc.stderr.strip()[-500:]}"
+    return (binary, "") if binary.is_file() else (None, f"built, but no {binary}")
+
+
+_BINDING_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from llama_cpp import Llama
+    spec = json.load(open(sys.argv[1]))
+    llm = Llama(model_path=spec["gguf"], n_threads=spec["threads"], n_threads_batch=spec["threads"], n_ctx=1024,
+                verbose=False, seed=0)
+    def decode(prompt, n):
+        out = 0
+        for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            out += 1
+            if out == n:
+                break
+        return out
+    decode(spec["prompts"][0][:8], 4)
+    start = time.perf_counter()
+    produced = sum(decode(p, spec["new_tokens"]) for p in spec["prompts"])
+    print("RESULT " + json.dumps({"seconds": time.perf_counter() - start, "output_tokens": produced}), flush=True)
+    """
+)
+
+
+def binding_tok_s(python: Path, gguf: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                  work_dir: Path) -> float:
+    """Output tokens/s of the binding decoding `prompts` one after another (its one stream)."""
+    spec = work_dir / "llamacpp_spec.json"
+    spec.write_text(json.dumps({"gguf": gguf, "prompts": prompts, "new_tokens": new_tokens, "threads": threads}))
+    script = work_dir / "llamacpp_binding.py"
+    script.write_text(_BINDING_SCRIPT)
+    proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, timeout=1800)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"llama-cpp-python failed: {proc.stderr.strip()[-800:]}")
+    result = json.loads(line[len("RESULT "):])
+    return result["output_tokens"] / result["seconds"]
+
+
+def server_tok_s(binary: Path, gguf: str, prompts: list[list[int]], new_tokens: int, threads: int,
+                 port: int) -> float:
+    """Output tokens/s of `llama-server --parallel len(prompts)` with every prompt sent at once."""
+    import httpx
+
+    parallel = len(prompts)
+    cmd = [str(binary), "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-tb",
+           str(threads), "--parallel", str(parallel), "-c", str(parallel * 512), "--no-warmup"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(url):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("llama-server did not become ready")
+            time.sleep(0.5)
+
+        def one(prompt: list[int]) -> int:
+            body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "top_k": 1,
+                    "ignore_eos": True, "cache_prompt": False}
+            answer = httpx.post(f"{url}/completion", json=body, timeout=1800).json()
+            return int(answer["tokens_predicted"])
+
+        one(prompts[0][:8])
+        start = time.perf_counter()
+        with ThreadPoolExecutor(parallel) as pool:
+            produced = sum(pool.map(one, prompts))
+        return produced / (time.perf_counter() - start)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _ready(url: str) -> bool:
+    """True once the server answers /health with 200 (it answers 503 while it loads the model)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+if __name__ == "__main__":
+    print(binding_python())
+    print(server_binary())
