@@ -8,6 +8,7 @@ the rendezvous store (the model folder must be at the same path)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -129,6 +130,15 @@ def _end(processes: list[BaseProcess]) -> None:
             process.join()
 
 
+def with_rank_threads(model_config: ModelConfig) -> ModelConfig:
+    """On the CPU without cpu_threads, each of the N ranks of this node takes 1/N of the cores it may use (not
+    all of them each, which would oversubscribe them N times)."""
+    if model_config.cpu_threads is not None or rank_device(model_config.device, 0).type != "cpu":
+        return model_config
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or model_config.tensor_parallel_size)
+    return dataclasses.replace(model_config, cpu_threads=max(1, len(os.sched_getaffinity(0)) // local))
+
+
 def start_runner(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  lora_config: LoRAConfig | None) -> tuple[ModelRunner, TPWorkers | None]:
     """The engine's ModelRunner; with tensor_parallel_size > 1 rank 0's, its workers started (and stopped again
@@ -136,6 +146,7 @@ def start_runner(model_config: ModelConfig, cache_config: CacheConfig, scheduler
     if model_config.tensor_parallel_size == 1:
         return ModelRunner(model_config, cache_config, scheduler_config, lora_config), None
     check_tensor_parallel(model_config, lora_config)
+    model_config = with_rank_threads(model_config)
     workers = TPWorkers.launch(model_config, cache_config, scheduler_config)
     try:
         return ModelRunner(model_config, cache_config, scheduler_config, None, workers.group), workers

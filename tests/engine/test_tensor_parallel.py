@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from pagedserve.backend.core.config import ModelConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model.sharding import shard_tensor
 from pagedserve.backend.worker.parallel import TIMEOUT_ENV, TensorParallel, TensorParallelError, open_store
-from pagedserve.backend.worker.tp_workers import rendezvous
+from pagedserve.backend.worker.tp_workers import rendezvous, with_rank_threads
 
 from pagedserve.testing import make_tiny_model
 from tests.support.engines import cpu_engine, greedy
@@ -142,6 +143,15 @@ def test_a_worker_that_exits_before_joining_fails_the_start_at_once():
         TensorParallel(0, 2, store, torch.device("cpu"),
                        liveness=lambda wait: "tensor-parallel worker rank 1 (pid 1) exited with code 1")
     assert time.monotonic() - start < 5 and not dist.is_initialized()
+
+
+def test_cpu_ranks_split_the_cores_unless_cpu_threads_is_set(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    config = ModelConfig("m", device="cpu", tensor_parallel_size=2)
+    assert with_rank_threads(config).cpu_threads == max(1, cores // 2)
+    assert with_rank_threads(dataclasses.replace(config, cpu_threads=3)).cpu_threads == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # the other rank on another node
+    assert with_rank_threads(config).cpu_threads == cores
 
 
 def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart(tiny_phi3):
