@@ -12,7 +12,14 @@ import torch
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
 from pagedserve.backend.model.family import ModelFamily
-from pagedserve.backend.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from pagedserve.backend.model.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    HeadNormedAttention,
+    LlamaForCausalLM,
+    RMSNorm,
+)
 
 from pagedserve import kernels
 
@@ -108,23 +115,10 @@ class Gemma2Attention(Attention):
         self.logits_soft_cap = cfg.attn_logit_softcapping
 
 
-class Gemma3Attention(Gemma2Attention):
+class Gemma3Attention(HeadNormedAttention, Gemma2Attention):
     """Gemma 2's attention with each Q and K head (1 + weight) RMS-normalised before the rotary embedding."""
 
-    def __init__(self, cfg: Gemma3ArchConfig, layer_idx: int):
-        super().__init__(cfg, layer_idx)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(hidden)
-        return _per_head(self.q_norm, q), _per_head(self.k_norm, k), v
-
-
-def _per_head(norm: GemmaRMSNorm, x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, H, D]
-    """`norm` over each head's D values."""
-    num_tokens, heads, head_dim = x.shape
-    return norm(x.reshape(num_tokens * heads, head_dim)).view(num_tokens, heads, head_dim)
+    qk_norm_cls = GemmaRMSNorm
 
 
 class Gemma2DecoderLayer(DecoderLayer):

@@ -92,6 +92,28 @@ class Attention(nn.Module):
         )
 
 
+class HeadNormedAttention:
+    """Mixin before an Attention class: each Q and K head normalised over its head_dim values (`qk_norm_cls`)
+    before the rotary embedding, as Qwen3 and Gemma 3 do."""
+
+    qk_norm_cls: type[nn.Module] = RMSNorm
+
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.q_norm = self.qk_norm_cls(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = self.qk_norm_cls(cfg.head_dim, cfg.rms_norm_eps)
+
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(hidden)
+        return _per_head(self.q_norm, q), _per_head(self.k_norm, k), v
+
+
+def _per_head(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, H, D]
+    """`norm` over each head's D values."""
+    num_tokens, heads, head_dim = x.shape
+    return norm(x.reshape(num_tokens * heads, head_dim)).view(num_tokens, heads, head_dim)
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward with the gate and up projections fused."""
 

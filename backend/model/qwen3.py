@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.family import ModelFamily
-from pagedserve.backend.model.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from pagedserve.backend.model.llama import Attention, DecoderLayer, HeadNormedAttention, LlamaForCausalLM
 
 
 @dataclass
@@ -24,23 +23,8 @@ class Qwen3ArchConfig(ModelArchConfig):
         return fields
 
 
-class Qwen3Attention(Attention):
+class Qwen3Attention(HeadNormedAttention, Attention):
     """Attention whose Q and K heads are each RMS-normalised (weights over head_dim) before rotation."""
-
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int):
-        super().__init__(cfg, layer_idx)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(hidden)
-        return _per_head(self.q_norm, q), _per_head(self.k_norm, k), v
-
-
-def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [T, H, D]
-    """`norm` over each head's D values."""
-    num_tokens, heads, head_dim = x.shape
-    return norm(x.reshape(num_tokens * heads, head_dim)).view(num_tokens, heads, head_dim)
 
 
 class Qwen3DecoderLayer(DecoderLayer):
