@@ -1,14 +1,18 @@
-"""The CPU quantized linear: torch's packed weight-only kernels where the layer's layout fits them, else the reference.
+"""The CPU quantized linear: the native GEMM (`quant_gemm.cpp`) where it loads and fits the layout, else
+torch's packed weight-only kernels where they fit, else the reference.
 
+The native kernel computes in fp32 from the exact integers and scales, for fp32 and bf16 activations, and
+measured faster than torch's kernels at every batch size tried (docs/benchmarks.md, "Quantized weights").
 `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` are vectorised for bf16 activations only (fp32 ones
-ran 10-50x slower than fp32 oneDNN here), so they run in bf16, scales and zeros included; see
-docs/benchmarks.md, "Quantized weights". Their packed forms are built once per weight and kept in it.
+ran 10-50x slower than fp32 oneDNN here), so they run in bf16, scales and zeros included. Whichever packed
+form serves a weight is built once and kept in it.
 """
 
 from __future__ import annotations
 
 import torch
-from pagedserve.kernels.quant_linear import reference
+from pagedserve.kernels import native
+from pagedserve.kernels.quant_linear import native_gemm, reference
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -55,10 +59,23 @@ def _int8_packed(weight: QuantizedWeight) -> list[tuple[torch.Tensor, torch.Tens
     return weight.packed["cpu_int8"]
 
 
+def _native_packed(weight: QuantizedWeight) -> native_gemm.NativePacked | None:
+    """The native kernel's packed form, built on first use; None where the native kernel does not serve it."""
+    packed = weight.packed.get("cpu_native")
+    if packed is None and "cpu_int4" not in weight.packed and "cpu_int8" not in weight.packed \
+            and native_gemm.fits(weight):
+        packed = weight.packed["cpu_native"] = native_gemm.pack(weight)
+    return packed if packed is not None and native.enabled() else None
+
+
 def prepare(weight: QuantizedWeight, release: bool = True) -> int:
     """Build the packed form now (at load, not in the first step) and, with `release`, drop the canonical qweight
     it duplicates (its integers stay readable through the packed form); returns the bytes the forms add."""
-    if int4_fits(weight):
+    packed = _native_packed(weight)
+    if packed is not None:
+        if release and weight.qweight is not None:
+            weight.release_qweight(native_gemm.unpacker(packed, weight))
+    elif int4_fits(weight):
         packed, _ = _int4_packed(weight)
         if release and weight.qweight is not None:
             weight.release_qweight(_int4_unpacker(packed, weight))
@@ -87,7 +104,10 @@ def _int4_unpacker(packed: torch.Tensor, weight: QuantizedWeight):
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.quant_linear.quant_linear on the CPU."""
-    if int4_fits(weight):
+    packed = _native_packed(weight) if x.dtype in (torch.float32, torch.bfloat16) else None
+    if packed is not None:
+        out = native_gemm.gemm(x.reshape(-1, x.shape[-1]).contiguous(), weight, packed)
+    elif int4_fits(weight):
         packed, scale_and_zeros = _int4_packed(weight)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), packed, weight.group_size, scale_and_zeros)
     elif int8_fits(weight):

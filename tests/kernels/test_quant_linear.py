@@ -11,6 +11,12 @@ from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 M_ROWS = [1, 7, 64]
 
 
+@pytest.fixture
+def torch_kernels(monkeypatch):
+    """The CPU path without the native library: torch's packed kernels (the native one has its own tests)."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+
+
 def _weight(n: int, k: int, bits: int, group_size: int, offsets: bool, seed: int = 0) -> QuantizedWeight:
     """Random integers, scales and offsets of the sizes real checkpoints have."""
     gen = torch.Generator().manual_seed(seed)
@@ -93,7 +99,7 @@ def _bf16_emulation(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
                          [(8, 256, False), (8, 32, False), (8, 64, True), (4, 32, True), (4, 64, True),
                           (4, 128, True)])
 def test_cpu_packed_kernel_equals_its_bf16_emulation_and_the_fp32_reference_to_bf16_rounding(m, bits, group_size,
-                                                                                             offsets):
+                                                                                             offsets, torch_kernels):
     w = _weight(96, 256, bits, group_size, offsets)
     assert cpu.int4_fits(w) or cpu.int8_fits(w)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
@@ -109,7 +115,7 @@ def test_cpu_packed_kernel_equals_its_bf16_emulation_and_the_fp32_reference_to_b
 
 
 @pytest.mark.parametrize(("n", "k", "bits", "group_size"), [(97, 256, 4, 32), (96, 100, 4, 32), (96, 100, 8, 32)])
-def test_cpu_layers_the_packed_kernels_do_not_serve_run_the_reference_exactly(n, k, bits, group_size):
+def test_cpu_layers_the_packed_kernels_do_not_serve_run_the_reference_exactly(n, k, bits, group_size, torch_kernels):
     w = _weight(n, k, bits, group_size, offsets=bits == 4)
     assert not (cpu.int4_fits(w) or cpu.int8_fits(w))
     x = torch.randn(7, k)
@@ -125,7 +131,7 @@ def test_cpu_kernel_adds_bias_and_keeps_leading_dims_and_dtype():
     torch.testing.assert_close(out.float(), reference.quant_linear(x.float(), w, bias.float()), atol=0.05, rtol=0.02)
 
 
-def test_prepare_builds_the_cpu_packed_form_once():
+def test_prepare_builds_the_cpu_packed_form_once(torch_kernels):
     w = _weight(32, 64, 4, 32, offsets=True)
     extra = ql.prepare(w)
     assert extra == 32 * 32 + 2 * 32 * 2 * 2  # packed nibbles + bf16 (scale, zero) per group
@@ -149,7 +155,7 @@ def test_prepare_drops_the_canonical_integers_and_reads_them_back_exactly_throug
     assert torch.equal(w.canonical_qweight(), ql.pack_int4(q) if bits == 4 else q.to(torch.int8))
 
 
-def test_a_per_channel_int8_weight_is_served_from_its_own_tensor_and_kept():
+def test_a_per_channel_int8_weight_is_served_from_its_own_tensor_and_kept(torch_kernels):
     w = _weight(32, 64, 8, 64, offsets=False)
     assert ql.prepare(w) == 32 * 2  # bf16 scales only
     assert w.qweight is not None

@@ -1,0 +1,113 @@
+"""The native weight-only quantized GEMM (quant_gemm.cpp) against the fp32 reference, and its packed form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pagedserve.kernels import native
+from pagedserve.kernels import quant_linear as ql
+from pagedserve.kernels.quant_linear import cpu, native_gemm, reference
+from pagedserve.kernels.quant_linear.layout import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="no native CPU kernels (no compiler)")
+
+# (bits, group_size or None for one per channel, offsets)
+LAYOUTS = [(8, 32, False), (8, None, False), (8, 32, True), (4, 32, True), (4, 32, False), (4, 128, True),
+           (4, 128, False)]
+
+
+def _weight(n: int, k: int, bits: int, group_size: int | None, offsets: bool, half: bool,
+            seed: int = 0) -> QuantizedWeight:
+    """Random integers; fp16 scales and offsets (GGUF's, held as fp16 by the kernel) or fp32 ones (held as fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    group_size = group_size or k
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (n, k), generator=gen, dtype=torch.int32)
+    scales = torch.rand(n, k // group_size, generator=gen) * 0.02 + 0.001
+    scales[0, 0] = -(2.0**-20)  # an fp16 subnormal, negative
+    offs = torch.randn(n, k // group_size, generator=gen) * 0.05 if offsets else None
+    if half:
+        scales, offs = scales.half(), None if offs is None else offs.half()
+    return ql.from_int_values(q, scales, offs, bits, group_size)
+
+
+def _exact(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The dequantized weight's product in fp64: the truth both fp32 paths round."""
+    return x.double() @ w.dequantize(torch.float64).T
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 11])
+@pytest.mark.parametrize(("bits", "group_size", "offsets"), LAYOUTS)
+@pytest.mark.parametrize("half", [True, False])
+def test_native_gemm_equals_the_fp32_reference_to_fp32_rounding(m, bits, group_size, offsets, half):
+    w = _weight(37, 256, bits, group_size, offsets, half, seed=m)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    out = cpu.quant_linear(x, w)
+    assert "cpu_native" in w.packed and out.dtype == torch.float32 and out.shape == (m, 37)
+    assert (native_gemm.pack(w).scales.dtype == torch.float16) == half
+    exact = _exact(x, w)
+    # Each of the ~K products rounds once in fp32: the error grows like sqrt(K) fp32 steps of the terms.
+    terms = (x.double().abs() @ w.dequantize(torch.float64).abs().T).max().item()
+    tolerance = 256**0.5 * 2**-24 * terms
+    assert (out.double() - exact).abs().max().item() <= tolerance
+    assert (reference.quant_linear(x, w).double() - exact).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize(("bits", "group_size", "offsets"), LAYOUTS)
+def test_bf16_activations_are_summed_in_fp32_and_rounded_once(bits, group_size, offsets):
+    w = _weight(37, 256, bits, group_size, offsets, half=True)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = cpu.quant_linear(x, w)
+    assert out.dtype == torch.bfloat16
+    exact = _exact(x, w)  # the bf16 inputs exactly, the weight unrounded (the reference rounds it to bf16)
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    rounded_weight = reference.quant_linear(x, w).double()
+    assert (rounded_weight - exact).abs().max() > (out.double() - exact).abs().max()
+
+
+def test_leading_dims_bias_and_an_empty_batch():
+    w = _weight(40, 64, 4, 32, True, half=True)
+    bias = torch.randn(40)
+    x = torch.randn(2, 3, 64)
+    out = cpu.quant_linear(x, w, bias)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, reference.quant_linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    assert cpu.quant_linear(torch.randn(0, 64), w).shape == (0, 40)
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 32), (8, None)])
+def test_prepare_keeps_the_weight_once_and_gives_its_integers_back_exactly(bits, group_size):
+    w = _weight(37, 128, bits, group_size, offsets=bits == 4, half=True)
+    q, dense = w.int_values(), w.dequantize()
+    x = torch.randn(3, 128)
+    before = cpu.quant_linear(x, w)
+    extra = ql.prepare(w)
+    assert w.qweight is None and "qweight" not in w.tensors()
+    tiles, groups = 3, 128 // (group_size or 128)  # 37 rows pad to 3 tiles of 16
+    per_row = 128 if bits == 8 else 64
+    assert extra == tiles * 16 * (per_row + groups * 2 * (2 if bits == 4 else 1))
+    assert torch.equal(w.int_values(), q) and torch.equal(w.dequantize(), dense)
+    rows = torch.tensor([36, 0, 17, 36])
+    assert torch.equal(w.dequantize(rows=rows), dense[rows])
+    assert torch.equal(cpu.quant_linear(x, w), before)
+
+
+def test_threads_split_the_tiles_and_give_one_thread_s_result():
+    w = _weight(16 * 130 + 5, 64, 8, 32, offsets=False, half=True)
+    x = torch.randn(2, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.quant_linear(x, w)
+        torch.set_num_threads(2)
+        assert torch.equal(cpu.quant_linear(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_layouts_it_does_not_serve_fall_back():
+    w = _weight(16, 96, 4, 32, True, half=True)
+    w3 = ql.from_int_values(w.int_values()[:, :90], w.scales, w.offsets, 4, 32)  # K not whole groups
+    assert not native_gemm.fits(w3)
+    x = torch.randn(2, 90)
+    assert torch.equal(cpu.quant_linear(x, w3), reference.quant_linear(x, w3))
