@@ -11,13 +11,13 @@ form serves a weight is built once and kept in it.
 from __future__ import annotations
 
 import torch
-from pagedserve.kernels import native
 from pagedserve.kernels.quant_linear import native_gemm, reference
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 
 COMPUTE_DTYPE = torch.bfloat16
 _INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INT4_ROW_TILE = 16  # the int4 packing works on whole tiles of output rows
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def int4_fits(weight: QuantizedWeight) -> bool:
@@ -60,12 +60,13 @@ def _int8_packed(weight: QuantizedWeight) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def _native_packed(weight: QuantizedWeight) -> native_gemm.NativePacked | None:
-    """The native kernel's packed form, built on first use; None where the native kernel does not serve it."""
+    """The native kernel's packed form, built on first use; None where the native kernel does not serve it
+    (PAGEDSERVE_CPU_KERNELS is read then, when the form is built, not on every call)."""
     packed = weight.packed.get("cpu_native")
     if packed is None and "cpu_int4" not in weight.packed and "cpu_int8" not in weight.packed \
             and native_gemm.fits(weight):
         packed = weight.packed["cpu_native"] = native_gemm.pack(weight)
-    return packed if packed is not None and native.enabled() else None
+    return packed
 
 
 def prepare(weight: QuantizedWeight, release: bool = True) -> int:
@@ -104,10 +105,13 @@ def _int4_unpacker(packed: torch.Tensor, weight: QuantizedWeight):
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.quant_linear.quant_linear on the CPU."""
-    packed = _native_packed(weight) if x.dtype in (torch.float32, torch.bfloat16) else None
+    packed = _native_packed(weight) if x.dtype in _NATIVE_DTYPES else None
     if packed is not None:
-        out = native_gemm.gemm(x.reshape(-1, x.shape[-1]).contiguous(), weight, packed)
-    elif int4_fits(weight):
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
+        out = native_gemm.gemm(rows, packed)
+        out = out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+        return out if bias is None else out + bias
+    if int4_fits(weight):
         packed, scale_and_zeros = _int4_packed(weight)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(_rows(x), packed, weight.group_size, scale_and_zeros)
     elif int8_fits(weight):

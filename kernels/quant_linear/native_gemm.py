@@ -23,16 +23,20 @@ _gemm = native.Function(
 )
 # Below this many tiles per thread, one call is cheaper than handing work to another thread.
 _MIN_TILES_PER_THREAD = 64
+_DTYPE_CODES = {torch.float32: native.dtype_code(torch.empty(0)),
+                torch.bfloat16: native.dtype_code(torch.empty(0, dtype=torch.bfloat16))}
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 
 
 class NativePacked(NamedTuple):
-    """The packed integers [tiles, K or K/2, 16] and per-tile scales/offsets [tiles, groups, 16]."""
+    """The packed integers [tiles, K or K/2, 16] and per-tile scales/offsets [tiles, groups, 16], and the
+    kernel's per-weight arguments (pointers and sizes) worked out once."""
 
     q: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None
+    weight_args: tuple[int, ...]  # q, scales, offsets pointers; n, k, group_size, bits, half
 
 
 def fits(weight: QuantizedWeight) -> bool:
@@ -66,7 +70,10 @@ def pack(weight: QuantizedWeight) -> NativePacked:
         q = q.to(torch.uint8)
         packed = _tiles(q[:, 0::2] | (q[:, 1::2] << 4))
     scales, offsets = _params(weight.scales, weight.offsets)
-    return NativePacked(packed, scales, offsets)
+    args = (packed.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
+            weight.out_features, weight.in_features, weight.group_size, weight.bits,
+            int(scales.dtype == torch.float16))
+    return NativePacked(packed, scales, offsets, args)
 
 
 def unpacker(packed: NativePacked, weight: QuantizedWeight):
@@ -93,20 +100,19 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def gemm(x: torch.Tensor, weight: QuantizedWeight, packed: NativePacked) -> torch.Tensor:
+def gemm(x: torch.Tensor, packed: NativePacked) -> torch.Tensor:
     """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype, split over threads by tiles."""
-    m, n = x.shape[0], weight.out_features
+    m, n = x.shape[0], packed.weight_args[3]
     out = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return out
     tiles = packed.q.shape[0]
-    half = int(packed.scales.dtype == torch.float16)
-    offsets = 0 if packed.offsets is None else packed.offsets.data_ptr()
-    code = native.dtype_code(x)
+    code = _DTYPE_CODES[x.dtype]
+    q, scales, offsets, *sizes = packed.weight_args
+    x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
 
     def run(begin: int, end: int) -> None:
-        _gemm(x.data_ptr(), out.data_ptr(), packed.q.data_ptr(), packed.scales.data_ptr(), offsets, m, n,
-              weight.in_features, weight.group_size, weight.bits, half, begin, end, code)
+        _gemm(x_ptr, out_ptr, q, scales, offsets, m, *sizes, begin, end, code)
 
     workers = min(torch.get_num_threads(), tiles // _MIN_TILES_PER_THREAD)
     if workers <= 1:
