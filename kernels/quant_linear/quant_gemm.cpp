@@ -8,6 +8,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include "../native/cpu_common.h"
 
 namespace {
@@ -96,8 +100,47 @@ inline void group_dot(const uint8_t* q, const float* x, int64_t k_stride, int64_
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 activations and enough rows to be compute-bound: the integers are exact in bf16 (|q| <= 128 needs 8
+// significant bits), so one vdpbf16ps per row adds two exact products per lane in fp32, where the fp32 path
+// needs two FMAs. Pairs (k, k + 1) of a row share a 32-bit lane, k in the low half, as the x pair does.
+constexpr int kMinDotRows = 4;
+
+template <int BITS>
+inline __m512bh weight_pairs(const uint8_t* q, int64_t k) {
+  VecF even, odd;
+  if constexpr (BITS == 8) {
+    even = to_float(load<VecI8>(q + k * kTile));
+    odd = to_float(load<VecI8>(q + (k + 1) * kTile));
+  } else {
+    const VecU8 bytes = load<VecU8>(q + (k / 2) * kTile);
+    even = to_float(VecU8(bytes & 15));
+    odd = to_float(VecU8(bytes >> 4));
+  }
+  const VecU32 pairs = (__builtin_bit_cast(VecU32, odd) & 0xffff0000u) | (__builtin_bit_cast(VecU32, even) >> 16);
+  return __builtin_bit_cast(__m512bh, pairs);
+}
+
+template <int ROWS, int BITS>
+inline void group_dot_bf16(const uint8_t* q, const uint16_t* x, int64_t k_stride, int64_t begin, int64_t size,
+                           VecF (&part)[ROWS]) {
+  __m512 sums[ROWS];
+  for (int r = 0; r < ROWS; ++r) sums[r] = _mm512_setzero_ps();
+  for (int64_t k = begin; k < begin + size; k += 2) {
+    const __m512bh w = weight_pairs<BITS>(q, k);
+    for (int r = 0; r < ROWS; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * k_stride + k, sizeof(pair));
+      sums[r] = _mm512_dpbf16_ps(sums[r], w, __builtin_bit_cast(__m512bh, _mm512_set1_epi32(pair)));
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) part[r] = __builtin_bit_cast(VecF, sums[r]);
+}
+#endif
+
 struct Problem {
   const float* x;     // [M, K] fp32
+  const uint16_t* xb;  // [M, K] bf16 when the activations are bf16, else null
   const float* xsum;  // [M, G] each group's sum of x
   const uint8_t* q;
   const void* scales;
@@ -114,7 +157,15 @@ void tile_rows(const Problem& p, int64_t tile, int64_t row0, T* out) {
   const uint8_t* q = p.q + tile * p.tile_bytes;
   const float* x = p.x + row0 * p.k;
   for (int64_t g = 0; g < p.groups; ++g) {
+#if defined(__AVX512BF16__)
+    if (ROWS >= kMinDotRows && p.xb != nullptr && p.group_size % 2 == 0) {
+      group_dot_bf16<ROWS, BITS>(q, p.xb + row0 * p.k, p.k, g * p.group_size, p.group_size, part);
+    } else {
+      group_dot<ROWS, BITS>(q, x, p.k, g * p.group_size, p.group_size, part);
+    }
+#else
     group_dot<ROWS, BITS>(q, x, p.k, g * p.group_size, p.group_size, part);
+#endif
     const int64_t index = tile * p.groups + g;
     const VecF scale = load_params(p.scales, index, p.half);
     for (int r = 0; r < ROWS; ++r) acc[r] += part[r] * scale;
@@ -154,6 +205,7 @@ void run(const T* x_in, T* out, Problem p, int64_t m, int bits, int64_t tile_beg
     for (int64_t i = 0; i < p.k; ++i) xsum[r * p.groups + i / p.group_size] += x[r * p.k + i];
   }
   p.x = x.data();
+  if constexpr (sizeof(T) == sizeof(uint16_t)) p.xb = x_in;
   p.xsum = xsum.data();
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     if (bits == 8) {
@@ -174,7 +226,7 @@ extern "C" int pagedserve_quant_gemm(const void* x, void* out, const void* q, co
                                      int dtype) {
   if (bits != 4 && bits != 8) return 2;
   if (group_size < 1 || k % group_size != 0 || (bits == 4 && group_size % 2 != 0)) return 3;
-  Problem p{nullptr, nullptr, static_cast<const uint8_t*>(q), scales, offsets, half_params != 0,
+  Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q), scales, offsets, half_params != 0,
             n, k, group_size, k / group_size, kTile * k * bits / 8};
   return pagedserve::with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
