@@ -201,8 +201,16 @@ def _wrap_projections(model: nn.Module, arch: ModelArchConfig, config: LoRAConfi
                     in_features, sum(shapes[p][1] for p in parts)):
                 continue
             lora_a = torch.zeros(slots, len(parts) * rank, in_features, dtype=dtype, device=device)
-            lora_b = [torch.zeros(slots, shapes[p][1], rank, dtype=dtype, device=device) for p in parts]
+            lora_b = [_stacked_b(slots, shapes[p][1], rank, dtype, device) for p in parts]
             linear = LoRALinear(base, step, lora_a, lora_b, rank)
             setattr(parent, projection, linear)
             wrapped[(layer_index, projection)] = linear
     return wrapped
+
+
+def _stacked_b(slots: int, n: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed stacked B [S, N, R]; on the CPU a view of [S, R, N] storage, whose n-contiguous rows the native
+    expand reads without transposing them."""
+    if torch.device(device).type == "cpu":
+        return torch.zeros(slots, rank, n, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(slots, n, rank, dtype=dtype, device=device)

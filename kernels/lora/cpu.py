@@ -1,17 +1,50 @@
-"""The multi-LoRA shrink and expand on the CPU: one matmul per adapter present over its rows (a slice when
-they are contiguous), never a per-row gather of the adapter weights; base-model rows are not touched."""
+"""The multi-LoRA shrink and expand on the CPU: small batches in one native call over all rows
+(`lora_cpu.cpp`, each row reading its slot), larger ones one torch matmul per adapter present over its rows
+(a slice when they are contiguous), never a per-row gather of the adapter weights; base-model rows are not
+touched. Without the native library every batch takes the torch path."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+from pagedserve.kernels import native
 from pagedserve.kernels.lora.grouping import SlotGroups, group_slots
+
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_int64] * 8 + [ctypes.c_int]
+_SLOT_ERROR = {2: "slots holds a slot beyond the stacked adapters' first dimension"}
+_shrink_kernel = native.Function("pagedserve_lora_shrink", _ARGTYPES, _SLOT_ERROR)
+_expand_kernel = native.Function("pagedserve_lora_expand_add", _ARGTYPES[:-1] + [ctypes.c_int64, ctypes.c_int],
+                                 _SLOT_ERROR)
+# Up to this many rows the native call beats a torch matmul per adapter present (docs/benchmarks.md).
+NATIVE_MAX_ROWS = 32
+_SLOT_BYTES = {torch.int32: 4, torch.int64: 8}
+
+
+def _native(rows: int, slots: torch.Tensor, weights: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """True when the native kernels serve this call: few rows, unit column strides (either of the weights'
+    last two dimensions), one fp32/bf16 dtype."""
+    return (
+        0 < rows <= NATIVE_MAX_ROWS
+        and slots.dtype in _SLOT_BYTES and slots.is_contiguous() and slots.device.type == "cpu"
+        and all(t.stride(-1) == 1 for t in tensors) and 1 in weights.stride()[1:]
+        and native.serves(weights, *tensors)
+    )
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
                 groups: SlotGroups | None = None) -> torch.Tensor:
     """kernels.lora.lora_shrink: y[rows] = x[rows] @ A[slot].T per slot present, zeros elsewhere."""
+    t, k = x.shape
+    rank = lora_a.shape[1]
+    if _native(t, slots, lora_a, x) and lora_a.stride(2) == 1:
+        y = torch.empty(t, rank, dtype=x.dtype)
+        _shrink_kernel(y.data_ptr(), x.data_ptr(), lora_a.data_ptr(), slots.data_ptr(), _SLOT_BYTES[slots.dtype],
+                       t, k, rank, lora_a.shape[0], x.stride(0), rank, lora_a.stride(0), lora_a.stride(1),
+                       native.dtype_code(x))
+        return y
     groups = groups or group_slots(slots)
-    y = x.new_zeros(x.shape[0], lora_a.shape[1])
+    y = x.new_zeros(t, rank)
     for slot, rows in groups.groups:
         if isinstance(rows, slice):
             torch.matmul(x[rows], lora_a[slot].T, out=y[rows])
@@ -23,8 +56,14 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slots: torch.Tensor,
 def lora_expand_add(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor,
                     offset: int = 0, groups: SlotGroups | None = None) -> None:
     """kernels.lora.lora_expand_add: out[rows, offset:offset + N] += y[rows] @ B[slot].T per slot present."""
+    n = lora_b.shape[1]
+    view = out[:, offset:offset + n]
+    if _native(out.shape[0], slots, lora_b, view, y):
+        _expand_kernel(view.data_ptr(), y.data_ptr(), lora_b.data_ptr(), slots.data_ptr(), _SLOT_BYTES[slots.dtype],
+                       out.shape[0], n, y.shape[1], lora_b.shape[0], view.stride(0), y.stride(0), lora_b.stride(0),
+                       lora_b.stride(1), lora_b.stride(2), native.dtype_code(out))
+        return
     groups = groups or group_slots(slots)
-    view = out[:, offset:offset + lora_b.shape[1]]
     for slot, rows in groups.groups:
         if isinstance(rows, slice):
             view[rows].addmm_(y[rows], lora_b[slot].T)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from pagedserve.kernels import native
 from pagedserve.kernels.lora import cpu, reference
 from pagedserve.kernels.lora import triton as lora_triton
 from pagedserve.kernels.lora.grouping import group_slots
@@ -235,3 +236,34 @@ def test_the_kernels_compile_for_sm90_without_spills():
     assert [(c["kernel"], c["constexprs"]["BLOCK_M"]) for c in configs] == [
         ("_lora_shrink_kernel", 16), ("_lora_expand_kernel", 16), ("_lora_shrink_kernel", 64), ("_lora_expand_kernel", 64)]
     assert all(c["stack_bytes"] == 0 and c["shared_bytes"] <= SM90_MAX_SHARED_BYTES for c in configs), configs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("b_layout", ["n_contiguous", "r_contiguous"])
+@pytest.mark.parametrize("rows", [len(MIXED), cpu.NATIVE_MAX_ROWS + 7], ids=["native", "torch"])
+def test_cpu_paths_equal_the_reference_on_scattered_rows_at_an_offset(dtype, rank, b_layout, rows):
+    slots = torch.tensor((MIXED * 4)[:rows], dtype=torch.int32)
+    x, (a, b) = _rows(rows, dtype, width=45, seed=rank), _weights(3, rank, dtype, seed=rank, k=45, n=N)
+    if b_layout == "n_contiguous":  # the layout the engine's CPU wrappers stack B in
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    y = cpu.lora_shrink(x, a, slots)
+    torch.testing.assert_close(y, reference.lora_shrink(x, a, slots), **_tol(dtype))
+    out = _rows(rows, dtype, width=N + 9, seed=2)
+    out[slots == -1] = -0.0
+    want = out.clone()
+    cpu.lora_expand_add(out, y, b, slots, offset=5)
+    reference.lora_expand_add(want, y, b, slots, offset=5)
+    torch.testing.assert_close(out, want, **_tol(dtype))
+    assert out[slots == -1].signbit().all() and torch.equal(out[:, :5], want[:, :5])
+
+
+def test_the_native_path_skips_all_base_rows_and_refuses_a_slot_beyond_the_stack():
+    x, (a, b) = _rows(4, torch.float32, width=K), _weights(2, 16, torch.float32)
+    out = torch.full((4, N), -0.0)
+    y = cpu.lora_shrink(x, a, torch.full((4,), -1))
+    cpu.lora_expand_add(out, y, b, torch.full((4,), -1))
+    assert not y.any() and out.signbit().all()
+    if native.load() is not None:
+        with pytest.raises(ValueError, match="beyond the stacked adapters"):
+            cpu.lora_shrink(x, a, torch.tensor([0, 1, 2, -1]))
