@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import importlib.util
 import os
-import re
 import shutil
 import signal
 import socket
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from pagedserve.backend.core.config import QUANTIZATIONS
 from pagedserve.client.lora_options import add_lora_arguments, lora_modules, lora_parameters, lora_shim_flags
+from pagedserve.client.metrics_text import fetch_metrics, instance_metrics, model_metric  # noqa: F401 - callers' names
 from pagedserve.client.model_repository import (  # noqa: F401 - launcher's names for its callers
     DEFAULT_MODEL_REPOSITORY,
     LLM_MODEL_NAME,
@@ -298,29 +298,6 @@ def spawn_openai_shim(triton_grpc_url: str, metrics_url: str, host: str, port: i
         *shim_args,
     ]  # fmt: skip
     return subprocess.Popen(cmd, **popen_kwargs)
-
-
-def fetch_metrics(metrics_url: str, timeout: float = 10.0) -> str:
-    """The Prometheus text of tritonserver's metrics port."""
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as reply:
-        return reply.read().decode()
-
-
-def model_metric(metrics_text: str, name: str, model: str = LLM_MODEL_NAME) -> float:
-    """The sample `name` (e.g. "vllm:num_requests_running") labelled with `model`, summed over the model's
-    instances (one sample each, labelled `instance`); 0.0 if absent."""
-    return sum(instance_metrics(metrics_text, name, model).values())
-
-
-def instance_metrics(metrics_text: str, name: str, model: str = LLM_MODEL_NAME) -> dict[str, float]:
-    """The sample `name` of each instance of `model`: {instance label ("" where none): value}."""
-    pattern = re.compile(r"^" + re.escape(name) + r"\{([^}]*)\}\s+(\S+)$", re.MULTILINE)
-    values: dict[str, float] = {}
-    for labels, value in pattern.findall(metrics_text):
-        if f'model="{model}"' in labels:
-            instance = re.search(r'instance="([^"]*)"', labels)
-            values[instance.group(1) if instance else ""] = float(value)
-    return values
 
 
 def free_loopback_ports(count: int) -> list[int]:

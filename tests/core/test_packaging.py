@@ -3,8 +3,9 @@ folder added without its entry would be left out of a wheel while the editable i
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 _ROOTS = {"pagedserve.backend": "backend", "pagedserve.kernels": "kernels", "pagedserve.client": "client"}
