@@ -6,7 +6,7 @@ Each entry picks its implementation per call (`dispatch.backend_for`); the engin
 from pagedserve.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedserve.kernels.attention import paged_attention
 from pagedserve.kernels.cache import copy_blocks, reshape_and_cache
-from pagedserve.kernels.lora import lora_expand_add, lora_shrink
+from pagedserve.kernels.lora import lora_expand_add, lora_shrink, lora_shrink_expand_add
 from pagedserve.kernels.moe import fused_moe, topk_routing
 from pagedserve.kernels.norm import rms_norm
 from pagedserve.kernels.rejection import rejection_sample
@@ -21,6 +21,7 @@ __all__ = [
     "logsumexp",
     "lora_expand_add",
     "lora_shrink",
+    "lora_shrink_expand_add",
     "paged_attention",
     "rejection_sample",
     "reshape_and_cache",

@@ -67,6 +67,9 @@ class LoRALinear(nn.Module):
         if not parts:
             return out
         groups = self.step.groups
+        if len(parts) == len(self.lora_b):  # every part: one call (on the CPU one native pass) for all of them
+            kernels.lora_shrink_expand_add(out, x, self.lora_a, self.lora_b, slots, self.offsets, groups)
+            return out
         y = kernels.lora_shrink(x, self.lora_a, slots, groups)  # [T, parts * R]
         rank = self.rank
         for i in parts:
@@ -201,16 +204,19 @@ def _wrap_projections(model: nn.Module, arch: ModelArchConfig, config: LoRAConfi
                     in_features, sum(shapes[p][1] for p in parts)):
                 continue
             lora_a = torch.zeros(slots, len(parts) * rank, in_features, dtype=dtype, device=device)
-            lora_b = [_stacked_b(slots, shapes[p][1], rank, dtype, device) for p in parts]
+            lora_b = _stacked_b(slots, [shapes[p][1] for p in parts], rank, dtype, device)
             linear = LoRALinear(base, step, lora_a, lora_b, rank)
             setattr(parent, projection, linear)
             wrapped[(layer_index, projection)] = linear
     return wrapped
 
 
-def _stacked_b(slots: int, n: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed stacked B [S, N, R]; on the CPU a view of [S, R, N] storage, whose n-contiguous rows the native
-    expand reads without transposing them."""
+def _stacked_b(slots: int, sizes: list[int], rank: int, dtype: torch.dtype,
+               device: torch.device) -> list[torch.Tensor]:
+    """Zeroed stacked B [S, N_p, R] of each part. On the CPU views of one [S, R, sum N_p] storage, the parts'
+    columns side by side as in the projection's output: the native kernels read its n-contiguous rows without
+    transposing them, and one call serves every part."""
     if torch.device(device).type == "cpu":
-        return torch.zeros(slots, rank, n, dtype=dtype, device=device).transpose(1, 2)
-    return torch.zeros(slots, n, rank, dtype=dtype, device=device)
+        storage = torch.zeros(slots, rank, sum(sizes), dtype=dtype, device=device)
+        return [part.transpose(1, 2) for part in storage.split(sizes, dim=2)]
+    return [torch.zeros(slots, n, rank, dtype=dtype, device=device) for n in sizes]

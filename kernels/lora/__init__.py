@@ -7,6 +7,7 @@ A caller making many calls over one batch (every LoRA layer of a step) groups it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
@@ -61,4 +62,27 @@ def lora_expand_add(
     _IMPLEMENTATIONS.select(out).lora_expand_add(out, y, lora_b, slots, offset, groups)
 
 
-__all__ = ["SlotGroups", "group_slots", "lora_expand_add", "lora_shrink"]
+def lora_shrink_expand_add(
+    out: torch.Tensor,  # [T, N_total] the base layer's output, added to in place
+    x: torch.Tensor,  # [T, K] activations
+    lora_a: torch.Tensor,  # [S, P * R, K] the P parts' A stacked
+    lora_b: Sequence[torch.Tensor],  # per part [S, N_p, R]
+    slots: torch.Tensor,  # [T] int: slot per row, -1 = base model
+    offsets: Sequence[int],  # each part's first column of out
+    groups: SlotGroups | None = None,  # group_slots(slots), shared by the calls of one step
+) -> None:
+    """A whole (fused) projection's delta: y = lora_shrink(x, lora_a), then per part p out[:, offsets[p]:][:N_p]
+    += y[:, p * R:(p + 1) * R] @ lora_b[p][slot].T; one native call on the CPU where it serves the tensors."""
+    assert len(lora_b) == len(offsets) and lora_a.shape[1] == len(lora_b) * lora_b[0].shape[2], (
+        "lora_a must stack one rank-R A per part of lora_b")
+    module = _IMPLEMENTATIONS.select(out)
+    fused = getattr(module, "lora_shrink_expand_add", None)
+    if fused is not None and fused(out, x, lora_a, lora_b, slots, offsets):
+        return
+    y = lora_shrink(x, lora_a, slots, groups)
+    rank = lora_b[0].shape[2]
+    for i, (b, offset) in enumerate(zip(lora_b, offsets, strict=True)):
+        lora_expand_add(out, y[:, i * rank:(i + 1) * rank], b, slots, offset, groups)
+
+
+__all__ = ["SlotGroups", "group_slots", "lora_expand_add", "lora_shrink", "lora_shrink_expand_add"]

@@ -6,6 +6,8 @@ touched. Without the native library every batch takes the torch path."""
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Sequence
 
 import torch
 from pagedserve.kernels import native
@@ -16,6 +18,10 @@ _SLOT_ERROR = {2: "slots holds a slot beyond the stacked adapters' first dimensi
 _shrink_kernel = native.Function("pagedserve_lora_shrink", _ARGTYPES, _SLOT_ERROR)
 _expand_kernel = native.Function("pagedserve_lora_expand_add", _ARGTYPES[:-1] + [ctypes.c_int64, ctypes.c_int],
                                  _SLOT_ERROR)
+_fused_kernel = native.Function(
+    "pagedserve_lora_shrink_expand_add",
+    [ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_int64] * 10 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
+    _SLOT_ERROR)
 # Up to this many rows the native call beats a torch matmul per adapter present (docs/benchmarks.md).
 NATIVE_MAX_ROWS = 32
 _SLOT_BYTES = {torch.int32: 4, torch.int64: 8}
@@ -69,3 +75,31 @@ def lora_expand_add(out: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, sl
             view[rows].addmm_(y[rows], lora_b[slot].T)
         else:
             view.index_put_((rows,), torch.addmm(view[rows], y[rows], lora_b[slot].T))
+
+
+def lora_shrink_expand_add(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor],
+                           slots: torch.Tensor, offsets: Sequence[int]) -> bool:
+    """kernels.lora.lora_shrink_expand_add in one native call when it serves the tensors: few rows, and every
+    part's B a column slice of one n-contiguous [S, R, N] storage at the columns its out slice has. False
+    (nothing done) otherwise."""
+    first = lora_b[0]
+    if not (_native(x.shape[0], slots, lora_a, x, out) and lora_a.stride(2) == 1 and first.stride(1) == 1
+            and all(b.stride() == first.stride() and b.dtype == out.dtype for b in lora_b)):
+        return False
+    size = first.element_size()
+    for b, offset, end in zip(lora_b, offsets, (*offsets[1:], None), strict=True):
+        if b.data_ptr() - first.data_ptr() != (offset - offsets[0]) * size or end not in (None, offset + b.shape[1]):
+            return False
+    view = out[:, offsets[0]:]
+    _fused_kernel(view.data_ptr(), x.data_ptr(), lora_a.data_ptr(), first.data_ptr(), slots.data_ptr(),
+                  _SLOT_BYTES[slots.dtype], x.shape[0], x.shape[1], first.shape[2], lora_a.shape[0], view.stride(0),
+                  x.stride(0), lora_a.stride(0), lora_a.stride(1), first.stride(0), first.stride(2),
+                  _part_columns(tuple(o - offsets[0] for o in offsets) + (offsets[-1] - offsets[0] + lora_b[-1].shape[1],)),
+                  len(lora_b), native.dtype_code(out))
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _part_columns(columns: tuple[int, ...]) -> ctypes.Array:
+    """The parts' column boundaries as the C array the kernel reads (a few distinct projections per model)."""
+    return (ctypes.c_int64 * len(columns))(*columns)

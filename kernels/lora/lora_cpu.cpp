@@ -3,6 +3,7 @@
 // Both are rows x W[slot].T for a per-slot weight W [M, L] (shrink: A [R, K], dots over K; expand: B [N, R],
 // vectorised over N); a run of up to four consecutive rows of one slot shares each weight load.
 #include <cstdint>
+#include <vector>
 
 #include "../native/cpu_common.h"
 
@@ -140,6 +141,52 @@ int rows_times_weights(T* out, int64_t out_stride, const T* in, int64_t in_strid
   return 0;
 }
 
+// out[t, part_cols[p]:part_cols[p + 1]] += (x[t] @ A[slot].T)[p * rank:(p + 1) * rank] @ B_p[slot].T for every
+// part p of a fused projection, per run of rows of one slot: the shrink's rows stay in a local buffer (rounded
+// to T, as the two-call path stores them) and feed each part's expand.
+template <typename T>
+int shrink_expand(T* out, int64_t out_stride, const T* x, int64_t x_stride, const T* a, int64_t a_slot,
+                  int64_t a_row, const T* b, int64_t b_slot, int64_t b_rank, const int64_t* part_cols,
+                  int64_t num_parts, int64_t num_slots, const void* slots, int slot_bytes, int64_t num_rows,
+                  int64_t k, int64_t rank) {
+  for (int64_t t = 0; t < num_rows; ++t) {
+    if (slot_at(slots, slot_bytes, t) >= num_slots) return 2;
+  }
+  const int64_t width = num_parts * rank;
+  std::vector<T> buffer(kTile * width);
+  int64_t t = 0;
+  while (t < num_rows) {
+    const int64_t slot = slot_at(slots, slot_bytes, t);
+    if (slot < 0) {
+      ++t;
+      continue;
+    }
+    T* outs[kTile];
+    T* ys[kTile];
+    const T* ins[kTile];
+    int rows = 0;
+    while (rows < kTile && t < num_rows && slot_at(slots, slot_bytes, t) == slot) {
+      outs[rows] = out + t * out_stride;
+      ins[rows] = x + t * x_stride;
+      ys[rows] = buffer.data() + rows * width;
+      ++rows;
+      ++t;
+    }
+    tile<T>(ys, ins, rows, a + slot * a_slot, a_row, width, k);
+    for (int64_t p = 0; p < num_parts; ++p) {
+      T* part_outs[kTile];
+      const T* part_ys[kTile];
+      for (int j = 0; j < rows; ++j) {
+        part_outs[j] = outs[j] + part_cols[p];
+        part_ys[j] = ys[j] + p * rank;
+      }
+      expand_tile_by_rank<T>(part_outs, part_ys, rows, b + slot * b_slot + part_cols[p], b_rank,
+                             part_cols[p + 1] - part_cols[p], rank);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 // y[t] = x[t] @ A[slots[t]].T for y [T, R] (row stride y_stride), x [T, K] (row stride x_stride), A with
@@ -171,6 +218,26 @@ extern "C" int pagedserve_lora_expand_add(void* out, const void* y, const void* 
     status = rows_times_weights<T, true>(static_cast<T*>(out), out_stride, static_cast<const T*>(y), y_stride,
                                          static_cast<const T*>(b), b_slot, b_row, b_rank, num_slots, slots, slot_bytes,
                                          num_rows, n, rank);
+  });
+  return bad_dtype ? bad_dtype : status;
+}
+
+// One call for a whole (fused) projection: out[t, cols_p] += (x[t] @ A[slot].T)[part p's rank slice] @
+// B_p[slot].T, A [S, parts * rank, K] with strides (a_slot, a_row, 1), every part's B in one n-contiguous
+// storage [S, rank, N] with strides (b_slot, b_rank, 1), part p owning columns part_cols[p]..part_cols[p + 1]
+// of both out and B; rows with slot -1 are not touched.
+extern "C" int pagedserve_lora_shrink_expand_add(void* out, const void* x, const void* a, const void* b,
+                                                 const void* slots, int slot_bytes, int64_t num_rows, int64_t k,
+                                                 int64_t rank, int64_t num_slots, int64_t out_stride,
+                                                 int64_t x_stride, int64_t a_slot, int64_t a_row, int64_t b_slot,
+                                                 int64_t b_rank, const int64_t* part_cols, int64_t num_parts,
+                                                 int dtype) {
+  int status = 0;
+  const int bad_dtype = pagedserve::with_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    status = shrink_expand<T>(static_cast<T*>(out), out_stride, static_cast<const T*>(x), x_stride,
+                              static_cast<const T*>(a), a_slot, a_row, static_cast<const T*>(b), b_slot, b_rank,
+                              part_cols, num_parts, num_slots, slots, slot_bytes, num_rows, k, rank);
   });
   return bad_dtype ? bad_dtype : status;
 }

@@ -267,3 +267,50 @@ def test_the_native_path_skips_all_base_rows_and_refuses_a_slot_beyond_the_stack
     if native.load() is not None:
         with pytest.raises(ValueError, match="beyond the stacked adapters"):
             cpu.lora_shrink(x, a, torch.tensor([0, 1, 2, -1]))
+
+
+def _fused_weights(sizes: list[int], rank: int, dtype: torch.dtype, seed: int):
+    """A [S, P * R, K] for the parts, and each part's B as a view of one n-contiguous [S, R, sum N] storage (the
+    engine's CPU layout), the parts' columns side by side."""
+    a, _ = _weights(3, len(sizes) * rank, dtype, seed=seed, k=45)
+    storage = _weights(3, sum(sizes), dtype, seed=seed + 1, k=rank)[0]  # [S, sum N, R] values
+    storage = storage.transpose(1, 2).contiguous()  # [S, R, sum N]
+    return a, [part.transpose(1, 2) for part in storage.split(sizes, dim=2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("sizes", [[29], [24, 8, 8], [31, 31]], ids=["one", "qkv", "gate_up"])
+@pytest.mark.parametrize("rows", [len(MIXED), cpu.NATIVE_MAX_ROWS + 7], ids=["native", "torch"])
+def test_one_call_for_every_part_equals_a_shrink_and_an_expand_per_part(dtype, rank, sizes, rows):
+    slots = torch.tensor((MIXED * 4)[:rows], dtype=torch.int32)
+    x = _rows(rows, dtype, width=45, seed=rank)
+    a, parts = _fused_weights(sizes, rank, dtype, seed=rank)
+    offsets = [3 + sum(sizes[:i]) for i in range(len(sizes))]
+    out = _rows(rows, dtype, width=3 + sum(sizes) + 4, seed=2)
+    out[slots == -1] = -0.0
+    want = out.clone()
+    served = cpu.lora_shrink_expand_add(out, x, a, parts, slots, offsets)
+    assert served == (rows <= cpu.NATIVE_MAX_ROWS and native.load() is not None)
+    if not served:
+        kernels.lora_shrink_expand_add(out, x, a, parts, slots, offsets)
+    y = reference.lora_shrink(x, a, slots)
+    for i, (b, offset) in enumerate(zip(parts, offsets)):
+        reference.lora_expand_add(want, y[:, i * rank:(i + 1) * rank], b, slots, offset)
+    torch.testing.assert_close(out, want, **_tol(dtype))
+    assert out[slots == -1].signbit().all()
+    assert torch.equal(out[:, :3], want[:, :3]) and torch.equal(out[:, -4:], want[:, -4:])
+
+
+def test_parts_not_side_by_side_in_one_storage_take_the_per_part_path():
+    slots = torch.tensor(MIXED, dtype=torch.int32)
+    x = _rows(len(MIXED), torch.float32, width=45)
+    a, parts = _fused_weights([16, 8], 8, torch.float32, seed=3)
+    parts = [p.clone() for p in parts]  # each its own storage
+    out = torch.zeros(len(MIXED), 24)
+    assert not cpu.lora_shrink_expand_add(out, x, a, parts, slots, [0, 16])
+    kernels.lora_shrink_expand_add(out, x, a, parts, slots, [0, 16])
+    want = torch.zeros(len(MIXED), 24)
+    want[:, :16] = _per_row(x, a[:, :8], parts[0], slots).float()
+    want[:, 16:] = _per_row(x, a[:, 8:], parts[1], slots).float()
+    torch.testing.assert_close(out, want, **FP32_TOL)
