@@ -1,6 +1,8 @@
 """Tensor-parallel shards of a dense decoder: each rank's config (its share of the heads and of the MLP) and its
 slices of the checkpoint (Megatron's split: column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj,
-everything else replicated). The all-reduce after the row-parallel projections is the worker's (parallel.py)."""
+a vocab-parallel embedding and lm_head holding rows [rank * Vp, (rank + 1) * Vp) of the vocabulary, Vp =
+ceil(vocab / ranks), zero past its end; the norms replicated). The collectives after the row-parallel projections,
+the embedding and the head are the worker's (parallel.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 KV_PROJECTIONS = ("k_proj", "v_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")  # our modules whose outputs the ranks sum
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")  # split by vocabulary rows
+
+
+def vocab_shard_size(vocab_size: int, world_size: int) -> int:
+    """Vp: the vocabulary rows each rank holds (the last ones padded with zeros past the vocabulary)."""
+    return -(-vocab_size // world_size)
 
 
 def indivisible_field(cfg: ModelArchConfig, world_size: int) -> tuple[str, int] | None:
@@ -64,6 +72,8 @@ def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelArchConfig, rank: in
                           _kv_rows(v, cfg, rank, world_size)])
     if last == "gate_up_proj":
         return torch.cat([part.chunk(world_size, 0)[rank] for part in tensor.split(gate_up_sizes(cfg), 0)])
+    if last in VOCAB_PARALLEL:
+        return _vocab_rows(tensor, cfg.vocab_size, rank, world_size)
     if last in ROW_PARALLEL:
         if leaf == "bias":
             return tensor if rank == 0 else torch.zeros_like(tensor)
@@ -79,6 +89,24 @@ def _kv_rows(tensor: torch.Tensor, cfg: ModelArchConfig, rank: int, world_size: 
     return tensor.chunk(cfg.num_kv_heads, 0)[rank // (world_size // cfg.num_kv_heads)]
 
 
+def _vocab_rows(tensor: torch.Tensor, vocab_size: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rows [rank * Vp, (rank + 1) * Vp) of an embedding or head table, zero-padded past the vocabulary."""
+    size = vocab_shard_size(vocab_size, world_size)
+    rows = tensor[rank * size : (rank + 1) * size]
+    if rows.shape[0] == size:
+        return rows
+    return torch.cat([rows, rows.new_zeros(size - rows.shape[0], *tensor.shape[1:])])
+
+
+def _split_vocab(model: nn.Module, cfg: ModelArchConfig, world_size: int) -> None:
+    """Give (on the meta device) the model an embedding and lm_head of Vp rows each, tied again when they are."""
+    size = vocab_shard_size(cfg.vocab_size, world_size)
+    model.embed_tokens = nn.Embedding(size, cfg.hidden_size)
+    model.lm_head = nn.Linear(cfg.hidden_size, size, bias=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 def load_sharded_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int,
                        rank: int, world_size: int) -> nn.Module:
     """Rank `rank`'s model: the family's classes built from the sharded config, filled with its slices."""
@@ -92,6 +120,7 @@ def load_sharded_model(path: str | Path, dtype: torch.dtype, device: torch.devic
     family = family_for(cfg.architecture)
     with torch.device("meta"):
         model = family.model_cls(cfg, max_position)
+        _split_vocab(model, cfg, world_size)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -204,7 +204,7 @@ class ModelRunner:
             batch = self._prepare(scheduled)
             if self.tp is not None:
                 self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
-                                              batch.meta))
+                                              batch.meta, batch.logit_rows))
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             logits = self.model.compute_logits(hidden[batch.logit_rows])
         num_sample = len(batch.sample_request_ids)

@@ -1,6 +1,7 @@
 """Tensor parallelism over torch.distributed: one rank's process group (gloo on the CPU, NCCL on CUDA with a gloo
-group beside it for the step plans), its sharded model with the row-parallel projections all-reduced, and the
-step plan rank 0 broadcasts so every rank runs the same forward."""
+group beside it for the step plans), its sharded model with the row-parallel projections all-reduced, the
+vocab-parallel embedding all-reduced and the vocab-parallel lm_head's logits gathered to rank 0, and the step plan
+rank 0 broadcasts so every rank runs the same forward and the same logits rows."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pagedserve.backend.model.sharding import (
     TP_ARCHITECTURES,
     indivisible_field,
     load_sharded_model,
+    vocab_shard_size,
 )
 from torch import nn
 
@@ -66,7 +68,8 @@ def check_tensor_parallel(model_config: ModelConfig, lora_config: LoRAConfig | N
 
 @dataclass(slots=True)
 class StepPlan:
-    """What every rank needs to run rank 0's step: block copies, then one forward over these CPU tensors."""
+    """What every rank needs to run rank 0's step: block copies, then one forward over these CPU tensors and the
+    logits of its `logit_rows` (whose gather every rank joins)."""
 
     block_copies: list[tuple[int, int]]
     input_ids: torch.Tensor  # [T]
@@ -77,14 +80,15 @@ class StepPlan:
     seq_lens: torch.Tensor  # [S]
     max_seqlen_q: int
     max_seqlen_k: int
+    logit_rows: torch.Tensor  # [R] hidden rows the step computes logits of
 
     @classmethod
     def of(cls, block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
-           meta: AttentionMetadata) -> StepPlan:
+           meta: AttentionMetadata, logit_rows: torch.Tensor) -> StepPlan:
         """The plan of a prepared step (its tensors brought to the CPU)."""
         cpu = [t.cpu() for t in (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q,
                                  meta.seq_lens)]
-        return cls(list(block_copies), *cpu, meta.max_seqlen_q, meta.max_seqlen_k)
+        return cls(list(block_copies), *cpu, meta.max_seqlen_q, meta.max_seqlen_k, logit_rows.cpu())
 
     def meta(self, device: torch.device) -> AttentionMetadata:
         """The attention metadata on `device`."""
@@ -106,6 +110,51 @@ class RowParallelLinear(nn.Module):
         out = self.base(x)
         self.group.all_reduce(out)
         return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows [start, start + Vp) of the embedding table: ids outside them look up zeros, and the sum over
+    the ranks is every token's one row."""
+
+    def __init__(self, base: nn.Embedding, group: TensorParallel, start: int):
+        super().__init__()
+        self.base = base
+        self.group = group
+        self.start = start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """This rank's rows (their dtype is the model's, which Gemma's scaling reads)."""
+        return self.base.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        """The embeddings of `input_ids`, all-reduced."""
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.base.num_embeddings)
+        out = self.base(local.masked_fill(outside, 0))
+        out.masked_fill_(outside[:, None], 0)
+        self.group.all_reduce(out)
+        return out
+
+
+class VocabParallelLMHead(nn.Module):
+    """This rank's Vp rows of the lm_head: each rank's logits gathered to rank 0, which gets the whole vocabulary's
+    (the padding cut off); the other ranks get [R, 0]. No rows: no collective on any rank (their plans agree)."""
+
+    def __init__(self, base: nn.Module, group: TensorParallel, vocab_size: int):
+        super().__init__()
+        self.base = base
+        self.group = group
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] on rank 0, [R, 0] elsewhere
+        """This rank's logits, gathered."""
+        if hidden.shape[0] == 0:
+            return hidden.new_zeros(0, self.vocab_size if self.group.rank == 0 else 0)
+        parts = self.group.gather(self.base(hidden).contiguous())
+        if parts is None:
+            return hidden.new_zeros(hidden.shape[0], 0)
+        return torch.cat(parts, dim=1)[:, : self.vocab_size].contiguous()
 
 
 class TensorParallel:
@@ -133,8 +182,13 @@ class TensorParallel:
         self.plan_group = dist.new_group(backend="gloo", timeout=_PLAN_WAIT)
 
     def load_model(self, path: str | Path, dtype: torch.dtype, max_position: int) -> nn.Module:
-        """This rank's shard of the model, its row-parallel projections wrapped to all-reduce."""
+        """This rank's shard of the model, its row-parallel projections wrapped to all-reduce, its embedding and
+        lm_head to join their rows over the ranks (a tied pair keeps its one shared table)."""
         model = load_sharded_model(path, dtype, self.device, max_position, self.rank, self.world_size)
+        vocab = model.config.vocab_size
+        start = self.rank * vocab_shard_size(vocab, self.world_size)
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, self, start)
+        model.lm_head = VocabParallelLMHead(model.lm_head, self, vocab)
         for module in list(model.modules()):
             for name in ROW_PARALLEL:
                 child = getattr(module, name, None)
@@ -150,6 +204,17 @@ class TensorParallel:
             dist.all_reduce(tensor)
         except Exception as error:  # noqa: BLE001 - gloo and NCCL raise several kinds
             self._fail(error)
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (all of one shape) on rank 0, in rank order; None on the other ranks."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == 0 else None
+        try:
+            dist.gather(tensor, parts, dst=0)
+        except Exception as error:  # noqa: BLE001 - gloo and NCCL raise several kinds
+            self._fail(error)
+        return parts
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The fewest KV blocks any rank can hold: every rank's cache takes the same block ids."""

@@ -1,5 +1,6 @@
 """The tensor-parallel worker processes: rank 0 (the engine's process) spawns ranks 1..N-1, each of which builds
-its ModelRunner (its shard and its KV heads) and runs every step plan rank 0 broadcasts until told to stop.
+its ModelRunner (its shard and its KV heads) and runs every step plan rank 0 broadcasts (the forward, then its
+vocabulary shard of the plan's logits rows) until told to stop.
 
 Several nodes: rank 0's node sets MASTER_ADDR / MASTER_PORT (an address the others reach) and LOCAL_WORLD_SIZE
 (the ranks it runs, 0..L-1); each other rank runs `python -m pagedserve.backend.worker.tp_workers` with the same
@@ -171,8 +172,9 @@ def worker_main(rank: int, init_method: str, local_rank: int | None = None,
         while (plan := group.broadcast(None)) is not None:
             with torch.inference_mode():
                 kernels.copy_blocks(runner.key_caches, runner.value_caches, plan.block_copies)
-                runner.model(plan.input_ids.to(device), plan.positions.to(device), runner.kv_caches,
-                             plan.meta(device))
+                hidden = runner.model(plan.input_ids.to(device), plan.positions.to(device), runner.kv_caches,
+                                      plan.meta(device))
+                runner.model.compute_logits(hidden[plan.logit_rows.to(device)])  # joins the logits' gather
     except TensorParallelError as error:
         logger.error("tensor-parallel rank %d stops: %s", rank, error)
         sys.exit(1)

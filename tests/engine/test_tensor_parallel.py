@@ -45,6 +45,14 @@ def tiny_qwen2_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_llama_odd_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama whose 385-token vocabulary (the tokenizer's 384 and one more) two ranks split as 193 + 192 and a
+    zero row."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-llama-385"), "llama", seed=27,
+                           config_extras={"vocab_size": 385})
+
+
+@pytest.fixture(scope="module")
 def tiny_llama_mqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama with one KV head for its 4 query heads: both ranks replicate it."""
     return make_tiny_model(tmp_path_factory.mktemp("tp-llama-mqa"), "llama", seed=26, num_kv_heads=1)
@@ -95,6 +103,9 @@ def _assert_tp2_matches(path: Path, hf_reference) -> None:
     try:
         # Each rank caches its half of the KV heads, or the one head it replicates.
         assert two.runner.arch.num_kv_heads == max(1, one.runner.arch.num_kv_heads // 2)
+        # Each rank holds its half of the vocabulary's rows, the embedding's and the head's.
+        rows, model = -(-one.vocab_size // 2), two.runner.model
+        assert model.embed_tokens.weight.shape[0] == model.lm_head.base.out_features == rows
         got = _staggered(two)
     finally:
         two.shutdown()
@@ -128,8 +139,8 @@ def test_tp2_qwen2_tied_matches_tp1_and_transformers(tiny_qwen2_tied, hf_referen
     _assert_tp2_matches(tiny_qwen2_tied, hf_reference)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_phi3", "tiny_llama_mqa"])
-def test_tp2_qwen3_phi3_and_a_replicated_kv_head_match_tp1_and_transformers(model_fixture, request, hf_reference):
+@pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_phi3", "tiny_llama_mqa", "tiny_llama_odd_vocab"])
+def test_tp2_qwen3_phi3_a_replicated_kv_head_and_an_odd_vocab_match_tp1_and_transformers(model_fixture, request, hf_reference):
     _assert_tp2_matches(request.getfixturevalue(model_fixture), hf_reference)
 
 
@@ -154,7 +165,7 @@ def test_cpu_ranks_split_the_cores_unless_cpu_threads_is_set(monkeypatch):
     assert with_rank_threads(config).cpu_threads == cores
 
 
-def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart(tiny_phi3):
+def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart_and_the_vocab_pads_its_last_shard(tiny_phi3):
     import torch
     from pagedserve.backend.model import ModelArchConfig
 
@@ -169,6 +180,10 @@ def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart(tiny_phi3):
     fused = torch.arange(q + 2 * kv)[:, None].float()
     shard = shard_tensor("model.layers.0.self_attn.qkv_proj.weight", fused, mqa, 1, 2)
     assert torch.equal(shard, torch.cat([fused[q // 2 : q], fused[q:]]))
+    table = torch.arange(5)[:, None].float()  # 5 vocabulary rows: 3 on rank 0, 2 and a zero row on rank 1
+    odd = dataclasses.replace(cfg, vocab_size=5)
+    assert torch.equal(shard_tensor("lm_head.weight", table, odd, 0, 2), table[:3])
+    assert torch.equal(shard_tensor("model.embed_tokens.weight", table, odd, 1, 2), torch.tensor([[3.0], [4], [0]]))
     bias = torch.ones(cfg.hidden_size)
     assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 1, 2), torch.zeros_like(bias))
     assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 0, 2), bias)
