@@ -19,7 +19,7 @@ from pagedserve.backend.model.lora import (
     load_lora_adapter,
     module_shapes,
 )
-from pagedserve.kernels.lora import SlotGroups, group_slots
+from pagedserve.kernels.lora import SlotGroups, group_slots, native_projection
 from torch import nn
 
 from pagedserve import kernels
@@ -37,7 +37,7 @@ class LoRAStep:
     def __init__(self) -> None:
         self.slots: torch.Tensor | None = None  # [T] int32, -1 = base model
         self.groups: SlotGroups | None = None
-        self.active: tuple[int, ...] = ()
+        self.active = 0  # bit s set: slot s has rows in this step
 
 
 class LoRALinear(nn.Module):
@@ -54,7 +54,8 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", lora_a, persistent=False)  # [S, parts * R, K]
         self.lora_b = lora_b  # per part: [S, N_part, R]
         self.offsets = [sum(b.shape[1] for b in lora_b[:i]) for i in range(len(lora_b))]
-        self.targeted = [[False] * lora_a.shape[0] for _ in lora_b]  # [part][slot]: the slot's adapter has it
+        self.targeted = [0] * len(lora_b)  # per part, bit s set: slot s's adapter adapts the part
+        self.native = native_projection(lora_a, lora_b, self.offsets)  # the CPU's one-call path, where it serves
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """As the base projection, plus each row's adapter delta."""
@@ -63,13 +64,16 @@ class LoRALinear(nn.Module):
         if slots is None:
             return out
         active = self.step.active
-        parts = [i for i, targeted in enumerate(self.targeted) if any(targeted[s] for s in active)]
+        parts = [i for i, targeted in enumerate(self.targeted) if targeted & active]
         if not parts:
             return out
-        groups = self.step.groups
-        if len(parts) == len(self.lora_b):  # every part: one call (on the CPU one native pass) for all of them
-            kernels.lora_shrink_expand_add(out, x, self.lora_a, self.lora_b, slots, self.offsets, groups)
+        # The CPU's one native pass serves every part at once (an untargeted part's B is zeros).
+        if self.native is not None and self.native(out, x, slots):
             return out
+        if len(parts) == len(self.lora_b):
+            kernels.lora_shrink_expand_add(out, x, self.lora_a, self.lora_b, slots, self.offsets, self.step.groups)
+            return out
+        groups = self.step.groups
         y = kernels.lora_shrink(x, self.lora_a, slots, groups)  # [T, parts * R]
         rank = self.rank
         for i in parts:
@@ -132,7 +136,7 @@ class LoRAManager:
         rows = torch.repeat_interleave(per_item, counts, output_size=int(counts.sum()))
         self.step.slots = rows.to(self.device, non_blocking=True)
         self.step.groups = group_slots(self.step.slots)
-        self.step.active = tuple(slot_of.values())
+        self.step.active = sum(1 << slot for slot in slot_of.values())
         return scheduled
 
     def _activate(self, lora_ids: set[int]) -> dict[int, int]:
@@ -166,7 +170,7 @@ class LoRAManager:
                 lora_b = linear.lora_b[i][slot]
                 lora_b.zero_()
                 pair = adapter.weights.get((layer, part))
-                linear.targeted[i][slot] = pair is not None
+                linear.targeted[i] = linear.targeted[i] & ~(1 << slot) | (pair is not None) << slot
                 if pair is not None:
                     linear.lora_a[slot, i * r_max : i * r_max + rank].copy_(pair[0])
                     lora_b[:, :rank].copy_(pair[1])

@@ -85,4 +85,12 @@ def lora_shrink_expand_add(
         lora_expand_add(out, y[:, i * rank:(i + 1) * rank], b, slots, offset, groups)
 
 
-__all__ = ["SlotGroups", "group_slots", "lora_expand_add", "lora_shrink", "lora_shrink_expand_add"]
+def native_projection(lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor],
+                      offsets: Sequence[int]) -> cpu.NativeProjection | None:
+    """For a wrapper holding these weights for good: a prepared `(out, x, slots) -> served` doing
+    lora_shrink_expand_add in one native call on the CPU (False where the step's rows do not qualify, or the
+    kernels are forced to torch or Triton), or None where the native kernel cannot serve the weights."""
+    return cpu.NativeProjection.of(lora_a, lora_b, offsets) if lora_a.device.type == "cpu" else None
+
+
+__all__ = ["SlotGroups", "native_projection", "group_slots", "lora_expand_add", "lora_shrink", "lora_shrink_expand_add"]

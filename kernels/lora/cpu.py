@@ -10,7 +10,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from pagedserve.kernels import native
+from pagedserve.kernels import dispatch, native
 from pagedserve.kernels.lora.grouping import SlotGroups, group_slots
 
 _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_int64] * 8 + [ctypes.c_int]
@@ -82,14 +82,9 @@ def lora_shrink_expand_add(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Ten
     """kernels.lora.lora_shrink_expand_add in one native call when it serves the tensors: few rows, and every
     part's B a column slice of one n-contiguous [S, R, N] storage at the columns its out slice has. False
     (nothing done) otherwise."""
-    first = lora_b[0]
-    if not (_native(x.shape[0], slots, lora_a, x, out) and lora_a.stride(2) == 1 and first.stride(1) == 1
-            and all(b.stride() == first.stride() and b.dtype == out.dtype for b in lora_b)):
+    if not _fused_layout(out, x, lora_a, lora_b, slots, offsets):
         return False
-    size = first.element_size()
-    for b, offset, end in zip(lora_b, offsets, (*offsets[1:], None), strict=True):
-        if b.data_ptr() - first.data_ptr() != (offset - offsets[0]) * size or end not in (None, offset + b.shape[1]):
-            return False
+    first = lora_b[0]
     view = out[:, offsets[0]:]
     _fused_kernel(view.data_ptr(), x.data_ptr(), lora_a.data_ptr(), first.data_ptr(), slots.data_ptr(),
                   _SLOT_BYTES[slots.dtype], x.shape[0], x.shape[1], first.shape[2], lora_a.shape[0], view.stride(0),
@@ -97,6 +92,59 @@ def lora_shrink_expand_add(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Ten
                   _part_columns(tuple(o - offsets[0] for o in offsets) + (offsets[-1] - offsets[0] + lora_b[-1].shape[1],)),
                   len(lora_b), native.dtype_code(out))
     return True
+
+
+class NativeProjection:
+    """lora_shrink_expand_add of one projection's resident weights as a prepared native call: their layout is
+    checked and their pointers and strides taken once, so a call checks only the step's rows (the Python around
+    a call otherwise costs more than its arithmetic at decode sizes)."""
+
+    def __init__(self, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor], offsets: Sequence[int]):
+        first = lora_b[0]
+        self.weights = (lora_a, *lora_b)  # held: the pointers below are theirs
+        self.dtype, self.code = lora_a.dtype, native.dtype_code(lora_a)
+        self.column = offsets[0] * first.element_size()
+        self.fixed = (lora_a.shape[2], first.shape[2], lora_a.shape[0])  # k, rank, slots
+        self.weight_args = (lora_a.stride(0), lora_a.stride(1), first.stride(0), first.stride(2))
+        self.pointers = (lora_a.data_ptr(), first.data_ptr())
+        self.columns = _part_columns(tuple(o - offsets[0] for o in offsets)
+                                     + (offsets[-1] - offsets[0] + lora_b[-1].shape[1],))
+        self.num_parts = len(lora_b)
+
+    @classmethod
+    def of(cls, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor], offsets: Sequence[int]) -> NativeProjection | None:
+        """The prepared call, or None where the native kernel cannot serve these weights."""
+        probe_x = lora_a.new_empty(1, lora_a.shape[2])
+        probe_out = lora_a.new_empty(1, offsets[-1] + lora_b[-1].shape[1])
+        if not _fused_layout(probe_out, probe_x, lora_a, lora_b, torch.zeros(1, dtype=torch.int32), offsets):
+            return None
+        return cls(lora_a, lora_b, offsets)
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> bool:
+        """As lora_shrink_expand_add over these weights; False (nothing done) where the rows do not qualify."""
+        rows = x.shape[0]
+        if not (0 < rows <= NATIVE_MAX_ROWS and dispatch.mode() == "auto" and x.dtype is self.dtype and out.dtype is self.dtype
+                and x.stride(1) == 1 and out.stride(1) == 1 and slots.dtype is torch.int32
+                and slots.is_contiguous() and slots.device.type == "cpu"):
+            return False
+        k, rank, num_slots = self.fixed
+        _fused_kernel(out.data_ptr() + self.column, x.data_ptr(), *self.pointers, slots.data_ptr(), 4, rows, k, rank,
+                      num_slots, out.stride(0), x.stride(0), *self.weight_args, self.columns, self.num_parts,
+                      self.code)
+        return True
+
+
+def _fused_layout(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor],
+                  slots: torch.Tensor, offsets: Sequence[int]) -> bool:
+    """True when the one-call kernel serves these tensors: few rows, native dtypes, and every part's B a
+    column slice of one n-contiguous [S, R, N] storage at the columns its out slice has, parts side by side."""
+    first = lora_b[0]
+    if not (_native(x.shape[0], slots, lora_a, x, out) and lora_a.stride(2) == 1 and first.stride(1) == 1
+            and all(b.stride() == first.stride() and b.dtype == out.dtype for b in lora_b)):
+        return False
+    size = first.element_size()
+    return all(b.data_ptr() - first.data_ptr() == (offset - offsets[0]) * size and end in (None, offset + b.shape[1])
+               for b, offset, end in zip(lora_b, offsets, (*offsets[1:], None), strict=True))
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,29 +17,37 @@ inline int64_t slot_at(const void* slots, int slot_bytes, int64_t t) {
   return slot_bytes == 4 ? static_cast<const int32_t*>(slots)[t] : static_cast<const int64_t*>(slots)[t];
 }
 
-// out[j][m] = in[j] . w[m] for the `rows` (1..kTile) rows of one slot; fp32 sums.
-template <typename T>
-void tile(T* const* out, const T* const* in, int rows, const T* w, int64_t w_row, int64_t m_count,
-          int64_t len) {
+// out[j][m] = in[j] . w[m] for ROWS (1..kTile) rows of one slot; fp32 sums.
+template <typename T, int ROWS>
+void tile_rows(T* const* out, const T* const* in, const T* w, int64_t w_row, int64_t m_count, int64_t len) {
   for (int64_t m = 0; m < m_count; ++m) {
     const T* wm = w + m * w_row;
     float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
     const T* i0 = in[0];
-    const T* i1 = in[rows > 1 ? 1 : 0];
-    const T* i2 = in[rows > 2 ? 2 : 0];
-    const T* i3 = in[rows > 3 ? 3 : 0];
+    const T* i1 = in[ROWS > 1 ? 1 : 0];
+    const T* i2 = in[ROWS > 2 ? 2 : 0];
+    const T* i3 = in[ROWS > 3 ? 3 : 0];
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int64_t k = 0; k < len; ++k) {
+    for (int64_t k = 0; k < len; ++k) {  // rows past ROWS are compiled out
       const float wk = Elem<T>::load(wm[k]);
       s0 += Elem<T>::load(i0[k]) * wk;
-      s1 += Elem<T>::load(i1[k]) * wk;
-      s2 += Elem<T>::load(i2[k]) * wk;
-      s3 += Elem<T>::load(i3[k]) * wk;
+      if constexpr (ROWS > 1) s1 += Elem<T>::load(i1[k]) * wk;
+      if constexpr (ROWS > 2) s2 += Elem<T>::load(i2[k]) * wk;
+      if constexpr (ROWS > 3) s3 += Elem<T>::load(i3[k]) * wk;
     }
     const float sums[kTile] = {s0, s1, s2, s3};
-    for (int j = 0; j < rows; ++j) {
-      out[j][m] = Elem<T>::store(sums[j]);
-    }
+    for (int j = 0; j < ROWS; ++j) out[j][m] = Elem<T>::store(sums[j]);
+  }
+}
+
+template <typename T>
+void tile(T* const* out, const T* const* in, int rows, const T* w, int64_t w_row, int64_t m_count,
+          int64_t len) {
+  switch (rows) {
+    case 1: return tile_rows<T, 1>(out, in, w, w_row, m_count, len);
+    case 2: return tile_rows<T, 2>(out, in, w, w_row, m_count, len);
+    case 3: return tile_rows<T, 3>(out, in, w, w_row, m_count, len);
+    default: return tile_rows<T, 4>(out, in, w, w_row, m_count, len);
   }
 }
 

@@ -144,13 +144,17 @@ def test_prefix_cache_hits_within_an_adapter_never_across(tiny_llama_path, adapt
 
 
 def test_lora_work_is_skipped_where_no_adapter_of_the_step_applies(tiny_llama_path, adapters, monkeypatch):
+    from pagedserve.kernels.lora import cpu as lora_cpu
+
     from pagedserve import kernels
 
     engine = cpu_engine(tiny_llama_path, enable_lora=True, num_blocks=32,
                         lora_modules={name: str(path) for name, path in adapters.items()})
     calls = []
-    for op in ("lora_shrink", "lora_shrink_expand_add"):  # a projection with LoRA work makes one of these calls
-        monkeypatch.setattr(kernels, op, lambda *args, _op=getattr(kernels, op): calls.append(1) or _op(*args))
+    # A projection with LoRA work makes one of these calls (the prepared native one on the CPU).
+    for owner, op in ((kernels, "lora_shrink"), (kernels, "lora_shrink_expand_add"),
+                      (lora_cpu.NativeProjection, "__call__")):
+        monkeypatch.setattr(owner, op, lambda *args, _op=getattr(owner, op): calls.append(1) or _op(*args))
     engine.generate([_prompts(1)[0]], greedy(3))
     assert calls == [] and engine.runner.lora.step.slots is None
     engine.generate([_prompts(1)[0]], greedy(1, lora_name="a1"))

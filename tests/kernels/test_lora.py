@@ -314,3 +314,28 @@ def test_parts_not_side_by_side_in_one_storage_take_the_per_part_path():
     want[:, :16] = _per_row(x, a[:, :8], parts[0], slots).float()
     want[:, 16:] = _per_row(x, a[:, 8:], parts[1], slots).float()
     torch.testing.assert_close(out, want, **FP32_TOL)
+
+
+@pytest.mark.skipif(native.load() is None, reason="no native CPU kernels here")
+def test_a_prepared_projection_call_equals_the_per_part_path_and_declines_what_it_cannot_serve(monkeypatch):
+    from pagedserve.kernels.lora import native_projection
+
+    sizes, rank = [24, 8, 8], 16
+    a, parts = _fused_weights(sizes, rank, torch.float32, seed=5)
+    offsets = [0, 24, 32]
+    prepared = native_projection(a, parts, offsets)
+    slots = torch.tensor(MIXED, dtype=torch.int32)
+    x, out = _rows(len(MIXED), torch.float32, width=45), torch.zeros(len(MIXED), 40)
+    want = out.clone()
+    assert prepared(out, x, slots)
+    y = reference.lora_shrink(x, a, slots)
+    for i, (b, offset) in enumerate(zip(parts, offsets)):
+        reference.lora_expand_add(want, y[:, i * rank:(i + 1) * rank], b, slots, offset)
+    torch.testing.assert_close(out, want, **FP32_TOL)
+    many = torch.zeros(cpu.NATIVE_MAX_ROWS + 1, dtype=torch.int32)
+    assert not prepared(torch.zeros(len(many), 40), _rows(len(many), torch.float32, width=45), many)
+    assert not prepared(out, x, slots.long())  # the prepared call reads int32 slots only
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "torch")
+    assert not prepared(out, x, slots)
+    assert native_projection(a, [p.clone() for p in parts], offsets) is None  # parts not in one storage
+    assert native_projection(a.to(torch.float64), parts, offsets) is None
