@@ -177,6 +177,10 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
             "--allow-cpu-metrics=false",
             f"--exit-timeout-secs={EXIT_TIMEOUT_SECONDS}",
+            # Every model loads at start as without it; explicit control lets a model whose engine broke (a
+            # tensor-parallel rank died) unload itself and read not ready.
+            "--model-control-mode=explicit",
+            "--load-model=*",
         ]
         backend_dir = layout_backend_dir(self.install, self.work_dir)
         if backend_dir is not None:

@@ -198,6 +198,10 @@ class LLMEngine(LoRAEngineMixin):
         if self.workers is not None:
             self.workers.stop()
 
+    def failure(self) -> str | None:
+        """Why this engine can run no further step (a tensor-parallel rank is gone); None while it can."""
+        return None if self.workers is None else self.workers.group.failure
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running, or has a final output not yet returned."""
         return bool(self._groups)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -69,6 +70,9 @@ class EngineLoop:
         self._step_end = 0.0
         self._last_stats = 0.0
         self.fault_marker = ""
+        # Called once, with the reason, when the engine can run no further step (the model then asks to be
+        # unloaded, so that it reads not ready).
+        self.on_broken: Callable[[str], None] | None = None
         self._fault_ids: set[str] = set()
 
     def run(self) -> None:
@@ -201,6 +205,7 @@ class EngineLoop:
         except Exception as error:  # noqa: BLE001 - fail the batch, keep serving
             self._fail_batch(error)
             return
+        self._check_broken()
         failed = [output for output in outputs if output.error_kind is ErrorKind.INTERNAL]
         if failed:
             pb_utils.Logger.log_error(f"pagedserve engine step failed ({failed[0].error}); "
@@ -226,6 +231,13 @@ class EngineLoop:
         self._ended_in_step, self._step_end, self.step_seconds = len(finals), now, now - started
         if firsts_sent is not None:
             firsts_sent.wait(min(FIRST_TOKEN_WAIT_SECONDS, FIRST_TOKEN_WAIT_STEP_FRACTION * self.step_seconds))
+
+    def _check_broken(self) -> None:
+        """Report, once, an engine that cannot run another step (its failed step's requests already ended)."""
+        reason = self.engine.failure() if self.on_broken is not None else None
+        if reason is not None:
+            report, self.on_broken = self.on_broken, None
+            report(reason)
 
     def _sort_outputs(self, outputs: list[RequestOutput], now: float
                       ) -> tuple[list[SendOutput], list[SendOutput], list[SendOutput]]:

@@ -68,6 +68,7 @@ class TritonPythonModel:
         self._instances = model_instances(config)
         self._settings = settings = ModelSettings.from_parameters(parameters)
         self._ids = itertools.count()
+        self._model_name = args["model_name"]
         self._finalizing = False
         self._outbox = Outbox(settings.response_threads)
         self._metrics = metrics = EngineMetrics(args["model_name"], args["model_version"], instance.name)
@@ -138,6 +139,23 @@ class TritonPythonModel:
         if not any(responder.thread.is_alive() for responder in self._responders):
             self._metrics.close()
 
+    def _unload_broken(self, reason: str) -> None:
+        """The engine can run no further step: ask Triton to unload this model, so that it reads not ready
+        (/v2/models/<name>/ready) and an orchestrator restarts the server. From a thread of its own, as the
+        unload finalizes this model, which joins the engine thread."""
+        pb_utils.Logger.log_error(f"pagedserve: {reason}; unloading model '{self._model_name}'")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self._model_name)
+            except Exception as error:  # noqa: BLE001 - Triton refuses unloads outside explicit model control
+                pb_utils.Logger.log_error(
+                    f"pagedserve: model '{self._model_name}' stays loaded but cannot serve ({error}); run "
+                    "tritonserver with --model-control-mode=explicit (as `pagedserve serve` does) to have it "
+                    "unloaded")
+
+        threading.Thread(target=unload, name="pagedserve-unload", daemon=True).start()
+
     def _engine_main(self, settings: ModelSettings) -> None:
         """Load the engine, report back to initialize(), then run the loop until Stop."""
         try:
@@ -148,6 +166,7 @@ class TritonPythonModel:
             engine = _load_engine(self._model_path, self._engine_kwargs)
             loop = EngineLoop(engine, settings, self._outbox, self._watcher.watch)
             self._watcher.engine_inbox = loop.inbox
+            loop.on_broken = self._unload_broken
             loop.fault_marker = os.environ.get(FAULT_MARKER_ENV, "")
             if loop.fault_marker:
                 engine.fault_injector = loop.inject_fault

@@ -1,6 +1,6 @@
 """Tensor parallelism through tritonserver: the llm instance with tensor_parallel_size 2 starts its worker in
 initialize and serves one rank's tokens; a killed worker ends requests with an error while the server stays
-answerable; SIGTERM then stops the instance cleanly, its worker joined."""
+answerable and the llm model is unloaded (not ready); SIGTERM then stops the instance cleanly, its worker joined."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import argparse
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,22 +76,36 @@ def test_tp2_instance_serves_the_tokens_of_one_rank(tp_server):
     assert len(_tp_workers(tp_server.server.process.pid)) == 1
 
 
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 @pytest.mark.slow
-def test_a_killed_worker_ends_requests_with_an_error_and_sigterm_still_stops_cleanly(tp_server):
+def test_a_killed_worker_ends_requests_with_an_error_marks_the_model_not_ready_and_sigterm_still_stops_cleanly(
+        tp_server):
     server = tp_server.server
+    base = f"http://{tp_server.http_url}"
+    assert _status(f"{base}/v2/models/llm/ready") == 200
     (worker,) = _tp_workers(server.process.pid)
     os.kill(worker, signal.SIGKILL)
-    for _ in range(2):  # the step that finds it dead, and every later one
-        start = time.monotonic()
-        result = _ask(tp_server)
-        assert result.error is not None and "tensor-parallel worker rank 1" in str(result.error), result.error
-        assert time.monotonic() - start < 30
-    with urllib.request.urlopen(f"http://{tp_server.http_url}/v2/health/live", timeout=10) as reply:
-        assert reply.status == 200
+    start = time.monotonic()
+    result = _ask(tp_server)  # the step that finds it dead
+    assert result.error is not None and "tensor-parallel worker rank 1" in str(result.error), result.error
+    assert time.monotonic() - start < 30
+    while _status(f"{base}/v2/models/llm/ready") == 200:  # the broken engine has its model unloaded
+        assert time.monotonic() - start < 60, "the llm model still reads ready"
+        time.sleep(0.2)
+    result = _ask(tp_server)
+    assert result.error is not None, "a request after the unload must fail"
+    assert _status(f"{base}/v2/health/live") == 200
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=EXIT_SECONDS) == 0
     log = tp_server.log_path.read_text(errors="replace")
-    assert "successfully unloaded 'llm' version 1" in log, log[-3000:]
+    assert "successfully unloaded 'llm' version 1" in log and "; unloading model 'llm'" in log, log[-3000:]
     pgid = server.process.pid
     server.stop()
     assert not process_group_members(pgid)
