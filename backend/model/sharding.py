@@ -1,8 +1,10 @@
-"""Tensor-parallel shards of a dense decoder: each rank's config (its share of the heads and of the MLP) and its
-slices of the checkpoint (Megatron's split: column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj,
-a vocab-parallel embedding and lm_head holding rows [rank * Vp, (rank + 1) * Vp) of the vocabulary, Vp =
-ceil(vocab / ranks), zero past its end; the norms replicated). The collectives after the row-parallel projections,
-the embedding and the head are the worker's (parallel.py)."""
+"""Tensor-parallel shards of a decoder: each rank's config (its share of the heads, of the MLP and of every
+expert's width) and its slices of the checkpoint (Megatron's split: column-parallel q/k/v and gate/up, row-parallel
+o_proj and down_proj; each expert's gate/up (w1/w3) column-parallel and its down (w2) row-parallel, a shared expert
+split as a dense MLP, the router and the shared expert's gate replicated; a vocab-parallel embedding and lm_head
+holding rows [rank * Vp, (rank + 1) * Vp) of the vocabulary, Vp = ceil(vocab / ranks), zero past its end; the norms
+replicated). The collectives after the row-parallel projections, the MoE blocks, the embedding and the head are
+the worker's (parallel.py)."""
 
 from __future__ import annotations
 
@@ -14,17 +16,22 @@ import torch
 from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
 from pagedserve.backend.model.family import gate_up_sizes, qkv_sizes
 from pagedserve.backend.model.loader import _check_complete, _iter_checkpoint, _mark
+from pagedserve.backend.model.moe import MoEArchConfig
 from pagedserve.backend.model.quant_formats import scheme_from_config
 from pagedserve.backend.model.registry import family_for
 from torch import nn
 
 # Families whose layers take every size from the config, with nothing per head but head_dim-wide norms (Qwen3's
-# q/k norms): their sharded config builds a rank's slice. MoE and Gemma are not among them.
+# and Gemma 3's q/k norms): their sharded config builds a rank's slice.
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                    "Phi3ForCausalLM")
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+                    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Checkpoint modules split by output rows (Mixtral's experts name gate / up w1 / w3) ...
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
 KV_PROJECTIONS = ("k_proj", "v_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")  # our modules whose outputs the ranks sum
+# ... and by input columns (Mixtral's expert down: w2), their outputs summed over the ranks.
+ROW_PARALLEL_CHECKPOINT = ("o_proj", "down_proj", "w2")
+ROW_PARALLEL = ("o_proj", "down_proj")  # our modules whose outputs the ranks sum (and the MoE blocks)
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")  # split by vocabulary rows
 
 
@@ -36,24 +43,31 @@ def vocab_shard_size(vocab_size: int, world_size: int) -> int:
 def indivisible_field(cfg: ModelArchConfig, world_size: int) -> tuple[str, int] | None:
     """(config.json field, its value) of the first size `world_size` ranks cannot split evenly; None if none.
     Fewer KV heads than ranks are replicated when their number divides the ranks' (as vLLM does)."""
-    for field, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                         ("intermediate_size", cfg.intermediate_size)):
+    sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+             ("intermediate_size", cfg.intermediate_size)]
+    if isinstance(cfg, MoEArchConfig):
+        sizes += [("moe_intermediate_size", cfg.moe_intermediate_size),
+                  ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)]
+    for field, value in sizes:
         if value % world_size and not (field == "num_key_value_heads" and world_size % value == 0):
             return field, value
     return None
 
 
 def shard_config(cfg: ModelArchConfig, world_size: int) -> ModelArchConfig:
-    """One rank's config: its share of the query heads, KV heads and MLP width."""
+    """One rank's config: its share of the query heads, KV heads, MLP width and each expert's width."""
     if cfg.architecture not in TP_ARCHITECTURES:
         raise UnsupportedModelError(f"tensor_parallel_size > 1 is not supported for {cfg.architecture}; "
                                     f"supported: {', '.join(TP_ARCHITECTURES)}")
     bad = indivisible_field(cfg, world_size)
     if bad is not None:
         raise UnsupportedModelError(f"tensor_parallel_size {world_size} does not divide {bad[0]} ({bad[1]})")
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // world_size,
-                               num_kv_heads=max(1, cfg.num_kv_heads // world_size),
-                               intermediate_size=cfg.intermediate_size // world_size)
+    sizes = {"num_heads": cfg.num_heads // world_size, "num_kv_heads": max(1, cfg.num_kv_heads // world_size),
+             "intermediate_size": cfg.intermediate_size // world_size}
+    if isinstance(cfg, MoEArchConfig):
+        sizes.update(moe_intermediate_size=cfg.moe_intermediate_size // world_size,
+                     shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // world_size)
+    return dataclasses.replace(cfg, **sizes)
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelArchConfig, rank: int,
@@ -74,7 +88,11 @@ def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelArchConfig, rank: in
         return torch.cat([part.chunk(world_size, 0)[rank] for part in tensor.split(gate_up_sizes(cfg), 0)])
     if last in VOCAB_PARALLEL:
         return _vocab_rows(tensor, cfg.vocab_size, rank, world_size)
-    if last in ROW_PARALLEL:
+    if last == "experts":  # every expert stacked in one tensor: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+        if leaf == "gate_up_proj":
+            return torch.cat([part.chunk(world_size, 1)[rank] for part in tensor.chunk(2, 1)], 1)
+        return tensor.chunk(world_size, 2)[rank]
+    if last in ROW_PARALLEL_CHECKPOINT:
         if leaf == "bias":
             return tensor if rank == 0 else torch.zeros_like(tensor)
         return tensor.chunk(world_size, 1)[rank]

@@ -1,10 +1,11 @@
 """Tensor parallelism over torch.distributed: one rank's process group (gloo on the CPU, NCCL on CUDA with a gloo
-group beside it for the step plans), its sharded model with the row-parallel projections all-reduced, the
-vocab-parallel embedding all-reduced and the vocab-parallel lm_head's logits gathered to rank 0, and the step plan
-rank 0 broadcasts so every rank runs the same forward and the same logits rows."""
+group beside it for the step plans), its sharded model with the row-parallel projections and MoE blocks all-reduced,
+the vocab-parallel embedding all-reduced and the vocab-parallel lm_head's logits gathered to rank 0, and the step
+plan rank 0 broadcasts so every rank runs the same forward and the same logits rows."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -19,6 +20,8 @@ from pagedserve.backend.core.config import LoRAConfig, ModelConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.attention import AttentionMetadata
+from pagedserve.backend.model.moe import SparseMoeBlock
+from pagedserve.backend.model.quant_formats import scheme_from_config
 from pagedserve.backend.model.sharding import (
     ROW_PARALLEL,
     TP_ARCHITECTURES,
@@ -48,9 +51,15 @@ class TensorParallelError(RuntimeError):
 
 
 def check_tensor_parallel(model_config: ModelConfig, lora_config: LoRAConfig | None) -> None:
-    """Refuse, naming the field, what tensor_parallel_size > 1 cannot serve: another family, a size the ranks
-    cannot split, quantization at load, LoRA."""
+    """Refuse, naming the field, what tensor_parallel_size > 1 cannot serve: a GGUF file, a quantized checkpoint, a
+    family not in TP_ARCHITECTURES, a size the ranks cannot split, quantization at load, LoRA."""
     world = model_config.tensor_parallel_size
+    if str(model_config.model).endswith(".gguf"):
+        raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for GGUF files",
+                                  "tensor_parallel_size")
+    if scheme_from_config(json.loads((Path(model_config.model) / "config.json").read_text())) is not None:
+        raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for quantized checkpoints",
+                                  "tensor_parallel_size")
     arch = ModelArchConfig.from_pretrained(model_config.model)
     if arch.architecture not in TP_ARCHITECTURES:
         raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for {arch.architecture}; "
@@ -98,7 +107,8 @@ class StepPlan:
 
 
 class RowParallelLinear(nn.Module):
-    """A row-parallel projection: this rank's partial product, summed over the ranks (the bias lives on rank 0)."""
+    """A row-parallel projection or MoE block: this rank's partial product, summed over the ranks (a bias lives on
+    rank 0)."""
 
     def __init__(self, base: nn.Module, group: TensorParallel):
         super().__init__()
@@ -182,18 +192,14 @@ class TensorParallel:
         self.plan_group = dist.new_group(backend="gloo", timeout=_PLAN_WAIT)
 
     def load_model(self, path: str | Path, dtype: torch.dtype, max_position: int) -> nn.Module:
-        """This rank's shard of the model, its row-parallel projections wrapped to all-reduce, its embedding and
-        lm_head to join their rows over the ranks (a tied pair keeps its one shared table)."""
+        """This rank's shard of the model, its row-parallel projections and MoE blocks wrapped to all-reduce, its
+        embedding and lm_head to join their rows over the ranks (a tied pair keeps its one shared table)."""
         model = load_sharded_model(path, dtype, self.device, max_position, self.rank, self.world_size)
         vocab = model.config.vocab_size
         start = self.rank * vocab_shard_size(vocab, self.world_size)
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, self, start)
         model.lm_head = VocabParallelLMHead(model.lm_head, self, vocab)
-        for module in list(model.modules()):
-            for name in ROW_PARALLEL:
-                child = getattr(module, name, None)
-                if isinstance(child, nn.Module) and not isinstance(child, RowParallelLinear):
-                    setattr(module, name, RowParallelLinear(child, self))
+        _wrap_row_parallel(model, self)
         return model
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -254,6 +260,18 @@ class TensorParallel:
         cause = self.liveness(1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {error}"
         self.failure = cause + _CANNOT_CONTINUE
         raise TensorParallelError(self.failure) from error
+
+
+def _wrap_row_parallel(model: nn.Module, group: TensorParallel) -> None:
+    """Wrap each row-parallel projection to all-reduce, and each MoE block whole: its experts' and shared expert's
+    partial sums are reduced once, at its output (the shared expert's gate scales each token's partial alike)."""
+    in_moe = {id(m) for block in model.modules() if isinstance(block, SparseMoeBlock) for m in block.modules()}
+    for module in list(model.modules()):
+        if id(module) in in_moe:
+            continue
+        for name, child in list(module.named_children()):
+            if name in ROW_PARALLEL or isinstance(child, SparseMoeBlock):
+                setattr(module, name, RowParallelLinear(child, group))
 
 
 def open_store(init_method: str, is_master: bool, timeout: float | None = None) -> dist.TCPStore:

@@ -1,10 +1,12 @@
 """Tensor parallelism over gloo on the CPU: two ranks (this process and one spawned worker) give the tokens and
-fp32 logprobs of one rank and of transformers under chunked prefill, preemption and prefix hits; what cannot be
-split is refused naming the field; a killed worker fails the step with a clear error instead of hanging."""
+fp32 logprobs of one rank and of transformers under chunked prefill, preemption and prefix hits, for the dense,
+Gemma and MoE families and a vocabulary the ranks do not divide; what cannot be split is refused naming the field;
+a killed worker fails the step with a clear error instead of hanging."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -68,6 +70,30 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_phi3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Phi-3: its checkpoint stores qkv_proj and gate_up_proj fused, each part split on its own."""
     return make_tiny_model(tmp_path_factory.mktemp("tp-phi3"), "phi3", seed=24, random_norms=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Gemma 2: scaled embeddings, soft-capped scores and final logits (the cap over the gathered vocabulary)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-gemma2"), "gemma2", seed=28, random_norms=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Gemma 3: per-head (1 + weight) q/k norms and a local rope base for its sliding layers."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-gemma3"), "gemma3", seed=29, random_norms=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Mixtral: 8 experts (w1 / w3 / w2), top-2 renormalised."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-mixtral"), "mixtral", seed=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2-MoE: 8 experts and a shared expert behind its sigmoid gate."""
+    return make_tiny_model(tmp_path_factory.mktemp("tp-qwen2-moe"), "qwen2_moe", seed=31)
 
 
 def _free_port() -> int:
@@ -140,7 +166,12 @@ def test_tp2_qwen2_tied_matches_tp1_and_transformers(tiny_qwen2_tied, hf_referen
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_qwen3", "tiny_phi3", "tiny_llama_mqa", "tiny_llama_odd_vocab"])
-def test_tp2_qwen3_phi3_a_replicated_kv_head_and_an_odd_vocab_match_tp1_and_transformers(model_fixture, request, hf_reference):
+def test_tp2_qwen3_phi3_one_kv_head_and_an_odd_vocab_match_tp1_and_transformers(model_fixture, request, hf_reference):
+    _assert_tp2_matches(request.getfixturevalue(model_fixture), hf_reference)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_gemma2", "tiny_gemma3", "tiny_mixtral", "tiny_qwen2_moe"])
+def test_tp2_gemma_and_moe_families_match_tp1_and_transformers(model_fixture, request, hf_reference):
     _assert_tp2_matches(request.getfixturevalue(model_fixture), hf_reference)
 
 
@@ -165,7 +196,7 @@ def test_cpu_ranks_split_the_cores_unless_cpu_threads_is_set(monkeypatch):
     assert with_rank_threads(config).cpu_threads == cores
 
 
-def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart_and_the_vocab_pads_its_last_shard(tiny_phi3):
+def test_shards_of_fused_and_stacked_checkpoint_tensors_take_each_part_apart_and_the_vocab_pads(tiny_phi3):
     import torch
     from pagedserve.backend.model import ModelArchConfig
 
@@ -184,6 +215,11 @@ def test_shards_of_a_fused_checkpoint_tensor_take_each_part_apart_and_the_vocab_
     odd = dataclasses.replace(cfg, vocab_size=5)
     assert torch.equal(shard_tensor("lm_head.weight", table, odd, 0, 2), table[:3])
     assert torch.equal(shard_tensor("model.embed_tokens.weight", table, odd, 1, 2), torch.tensor([[3.0], [4], [0]]))
+    stacked = torch.arange(2 * 4).view(2, 4, 1).float()  # 2 experts' [gate | up] of 2 rows each, stored stacked
+    assert torch.equal(shard_tensor("model.layers.0.mlp.experts.gate_up_proj", stacked, cfg, 1, 2),
+                       stacked[:, [1, 3]])
+    down = torch.arange(2 * 4).view(2, 1, 4).float()
+    assert torch.equal(shard_tensor("model.layers.0.mlp.experts.down_proj", down, cfg, 1, 2), down[..., 2:])
     bias = torch.ones(cfg.hidden_size)
     assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 1, 2), torch.zeros_like(bias))
     assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 0, 2), bias)
@@ -202,11 +238,9 @@ def test_a_size_the_ranks_cannot_split_is_refused_naming_the_field(tmp_path, set
     assert error.value.field == "tensor_parallel_size"
 
 
-def test_moe_lora_and_quantization_at_load_are_refused_under_tp(tmp_path):
-    moe = make_tiny_model(tmp_path / "moe", "mixtral")
-    with pytest.raises(InvalidRequestError, match="MixtralForCausalLM") as error:
-        cpu_engine(moe, tensor_parallel_size=2)
-    assert error.value.field == "tensor_parallel_size"
+def test_lora_quantization_gguf_quantized_checkpoints_and_an_unsplittable_expert_are_refused_under_tp(tmp_path):
+    from tests.support.tiny_gguf import write_model_gguf
+
     llama = make_tiny_model(tmp_path / "llama", "llama")
     for options, field in (({"enable_lora": True}, "enable_lora"), ({"quantization": "int8"}, "quantization")):
         with pytest.raises(InvalidRequestError) as error:
@@ -215,6 +249,20 @@ def test_moe_lora_and_quantization_at_load_are_refused_under_tp(tmp_path):
     for bad in (0, 65, True):
         with pytest.raises(InvalidRequestError) as error:
             cpu_engine(llama, tensor_parallel_size=bad)
+        assert error.value.field == "tensor_parallel_size"
+    gguf = write_model_gguf(llama, tmp_path / "tiny.gguf", lambda name, weight: None)
+    gptq = make_tiny_model(tmp_path / "gptq", "llama")
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (gptq / "config.json").write_text(json.dumps(config))
+    # Each expert's width is split too: 30 does not go into 4 ranks.
+    moe = make_tiny_model(tmp_path / "moe", "qwen2_moe", config_extras={"moe_intermediate_size": 30})
+    with pytest.raises(InvalidRequestError, match="moe_intermediate_size") as error:
+        cpu_engine(moe, tensor_parallel_size=4)
+    assert error.value.field == "tensor_parallel_size"
+    for path, what in ((gguf, "GGUF files"), (gptq, "quantized checkpoints")):
+        with pytest.raises(InvalidRequestError, match=what) as error:
+            cpu_engine(path, tensor_parallel_size=2)
         assert error.value.field == "tensor_parallel_size"
 
 
