@@ -225,6 +225,17 @@ def test_shards_of_fused_and_stacked_checkpoint_tensors_take_each_part_apart_and
     assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.bias", bias, cfg, 0, 2), bias)
 
 
+def test_a_tied_model_s_rank_shares_one_vocabulary_shard_between_embedding_and_head(tiny_qwen2_tied):
+    import torch
+    from pagedserve.backend.model.sharding import load_sharded_model
+    from safetensors.torch import load_file
+
+    table = load_file(str(tiny_qwen2_tied / "model.safetensors"))["model.embed_tokens.weight"]
+    model = load_sharded_model(tiny_qwen2_tied, torch.float32, torch.device("cpu"), 64, 1, 2)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.equal(model.embed_tokens.weight, table[table.shape[0] // 2 :])
+
+
 @pytest.mark.parametrize(("settings", "model_field"), [
     ({"num_heads": 6, "num_kv_heads": 2, "hidden_size": 48}, "num_attention_heads"),  # tp 4
     ({"num_heads": 6, "num_kv_heads": 3, "hidden_size": 48}, "num_key_value_heads"),  # tp 2: 3 neither way
