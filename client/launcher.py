@@ -45,7 +45,12 @@ INSTANCE_KINDS = ("cpu", "gpu", "model")
 # The ports `serve` listens on by default (the Dockerfile and docs/deploy/ expose these), and Triton's probes.
 HTTP_PORT, GRPC_PORT, METRICS_PORT, OPENAI_PORT = 8000, 8001, 8002, 9000
 READY_PATH, LIVE_PATH, METRICS_PATH = "/v2/health/ready", "/v2/health/live", "/metrics"
+# Not ready once the llm model unloaded itself (its engine broke): docs/deploy's liveness probe restarts such a pod.
+LLM_READY_PATH = "/v2/models/llm/ready"
 TRITON_READY_URL_ENV = "PAGEDSERVE_TRITON_READY_URL"  # the same as backend/triton/settings.py's HEALTH_URL_ENV
+# Every model loads at start as without it; explicit control lets a model whose engine broke (a tensor-parallel
+# rank died) unload itself and read not ready.
+EXPLICIT_MODEL_CONTROL = ("--model-control-mode=explicit", "--load-model=*")
 # tritonserver's --exit-timeout-secs: how long a stopping server waits for its models to unload.
 EXIT_TIMEOUT_SECONDS = 10
 
@@ -177,10 +182,7 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
             "--allow-cpu-metrics=false",
             f"--exit-timeout-secs={EXIT_TIMEOUT_SECONDS}",
-            # Every model loads at start as without it; explicit control lets a model whose engine broke (a
-            # tensor-parallel rank died) unload itself and read not ready.
-            "--model-control-mode=explicit",
-            "--load-model=*",
+            *EXPLICIT_MODEL_CONTROL,
         ]
         backend_dir = layout_backend_dir(self.install, self.work_dir)
         if backend_dir is not None:

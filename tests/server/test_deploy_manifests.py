@@ -14,6 +14,7 @@ from pagedserve.client.launcher import (
     GRPC_PORT,
     HTTP_PORT,
     LIVE_PATH,
+    LLM_READY_PATH,
     METRICS_PATH,
     METRICS_PORT,
     OPENAI_PORT,
@@ -68,7 +69,7 @@ def test_deployment_ports_probes_and_args_are_the_launchers():
     container, spec = _container(), DOCUMENTS["Deployment"]["spec"]
     assert {port["name"]: port["containerPort"] for port in container["ports"]} == PORTS
     assert container["readinessProbe"]["httpGet"] == {"path": READY_PATH, "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": LIVE_PATH, "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": LLM_READY_PATH, "port": "http"}
     assert container["startupProbe"]["httpGet"]["path"] == LIVE_PATH
     # The pod outlives `pagedserve serve`'s stop: tritonserver's exit timeout and the shim's stop after it.
     assert spec["template"]["spec"]["terminationGracePeriodSeconds"] > launcher.EXIT_TIMEOUT_SECONDS + 20
@@ -136,7 +137,9 @@ def test_kserve_inference_service_runs_the_image_as_a_triton_predictor():
     assert flags["metrics-port"] == service["metadata"]["annotations"]["prometheus.kserve.io/port"] == str(METRICS_PORT)
     assert int(flags["exit-timeout-secs"]) == launcher.EXIT_TIMEOUT_SECONDS
     assert triton["readinessProbe"]["httpGet"] == {"path": READY_PATH, "port": 8080}
-    assert triton["livenessProbe"]["httpGet"] == {"path": LIVE_PATH, "port": 8080}
+    assert triton["livenessProbe"]["httpGet"] == {"path": LLM_READY_PATH, "port": 8080}
+    assert [f"--{key}={value}" for key, value in flags.items() if key in ("model-control-mode", "load-model")] == \
+        list(launcher.EXPLICIT_MODEL_CONTROL)
     assert predictor["minReplicas"] <= predictor["maxReplicas"]
 
 
