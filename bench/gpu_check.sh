@@ -3,9 +3,12 @@
 #
 #   bash bench/gpu_check.sh            on the GPU machine, from the repository root; results under $OUT
 #   bash bench/gpu_check.sh --dry-run  anywhere: tiny sizes on the CPU under TRITON_INTERPRET=1
+#   GPU_CHECK_PARTS="tp" bash bench/gpu_check.sh   only the named parts (default: all five)
 #
 # correctness covers every Triton kernel against its torch reference, the W8A16 / W4A16 quantized GEMM
-# (kernels/quant_linear) included, decode and prefill rows, each also timed against bf16 F.linear.
+# (kernels/quant_linear) included, decode and prefill rows, each also timed against bf16 F.linear. tp runs
+# bench/tp_gpu.py: one engine on one GPU against one split over two with NCCL (skipped with fewer than 2 GPUs;
+# its dry run is two CPU ranks over gloo).
 # Writes $OUT/gpu_check.json (every figure), $OUT/gpu_check.log (the run's output) and $OUT/env.log.
 # $OUT defaults to bench/results/gpu_check (dry run: a temporary folder). Needs python3 with torch and
 # triton; pagedserve need not be installed. Each part has its own time limit so the whole run ends
@@ -48,13 +51,23 @@ fi
 cat "$OUT/env.log"
 
 status=0
-# part name, time limit in seconds: 440 s in all, 480 s with every kill grace, inside 8 minutes
-for spec in correctness:170 decode:80 prefill:80 engine:110; do
+PARTS=" ${GPU_CHECK_PARTS:-correctness decode prefill engine tp} "
+# part name, time limit in seconds: the first four 440 s in all (480 s with every kill grace, inside 8
+# minutes); tp is its own 150 s, so a machine with 2 GPUs runs it as a second call (GPU_CHECK_PARTS=tp)
+# when the first would not fit.
+for spec in correctness:170 decode:80 prefill:80 engine:110 tp:150; do
     part="${spec%%:*}"
     limit="${spec##*:}"
+    [[ "$PARTS" == *" $part "* ]] || continue
     echo "=== $part (limit ${limit}s)"
-    timeout --kill-after=10 "$limit" "$PY" "$REPO/bench/kernels.py" gpu-check "${DRY[@]}" \
-        --out "$OUT/$part" --parts "$part" 2>&1 | tee "$OUT/$part.log"
+    if [[ "$part" == tp ]]; then
+        # The engine on its own kernels (CPU ones in the dry run: two interpreted ranks would not fit).
+        env -u TRITON_INTERPRET PAGEDSERVE_KERNELS=auto timeout --kill-after=10 "$limit" "$PY" "$REPO/bench/tp_gpu.py" \
+            "${DRY[@]}" --out "$OUT/$part" 2>&1 | tee "$OUT/$part.log"
+    else
+        timeout --kill-after=10 "$limit" "$PY" "$REPO/bench/kernels.py" gpu-check "${DRY[@]}" \
+            --out "$OUT/$part" --parts "$part" 2>&1 | tee "$OUT/$part.log"
+    fi
     rc=${PIPESTATUS[0]}
     if [[ $rc -ne 0 ]]; then
         echo "=== $part exited with status $rc" | tee -a "$OUT/$part.log"
@@ -63,14 +76,14 @@ for spec in correctness:170 decode:80 prefill:80 engine:110; do
 done
 
 # One JSON for the whole check, merged from the parts.
-"$PY" - "$OUT" <<'EOF'
+"$PY" - "$OUT" $PARTS <<'EOF'
 import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
 merged = {}
-for part in ("correctness", "decode", "prefill", "engine"):
-    f = out / part / "gpu_check.json"
+for part in sys.argv[2:]:  # the parts this run ran
+    f = out / part / ("tp_gpu.json" if part == "tp" else "gpu_check.json")
     merged[part] = json.loads(f.read_text()) if f.is_file() else {"error": "no result (failed or timed out)"}
 (out / "gpu_check.json").write_text(json.dumps(merged, indent=2) + "\n")
 logs = [(out / f"{p}.log").read_text() for p in merged if (out / f"{p}.log").is_file()]

@@ -307,3 +307,15 @@ def test_an_idle_worker_outlives_the_collective_timeout_and_a_killed_one_fails_t
         engine.shutdown()
         engine.shutdown()  # a second call finds nothing left to stop
         assert time.monotonic() - start < 10
+
+
+def test_the_gpu_checks_tp_part_runs_as_its_dry_run_two_cpu_ranks_equal_to_one(tmp_path):
+    script = Path(__file__).resolve().parents[2] / "bench" / "tp_gpu.py"
+    env = {**os.environ, "PAGEDSERVE_KERNELS": "auto"}
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path)], check=True, env=env,
+                   timeout=300, capture_output=True)
+    record = json.loads((tmp_path / "tp_gpu.json").read_text())
+    assert record["greedy_equal_fraction"] == 1.0
+    assert record["tp1"]["tensor_parallel_size"] == 1 and record["tp2"]["tensor_parallel_size"] == 2
+    assert record["tp1"]["batched_tok_s"] > 0 and record["tp2"]["batched_tok_s"] > 0
