@@ -110,12 +110,10 @@ void expand_tile_by_rank(T* const* out, const T* const* in, int rows, const T* w
   }
 }
 
-// Walks the rows in runs of one slot (at most kTile); -1 rows are zeroed (shrink) or skipped (expand).
-// Returns 2 where a row's slot is not below num_slots.
-template <typename T, bool ADD>
-int rows_times_weights(T* out, int64_t out_stride, const T* in, int64_t in_stride, const T* w,
-                       int64_t w_slot, int64_t w_row, int64_t w_col, int64_t num_slots, const void* slots, int slot_bytes,
-                       int64_t num_rows, int64_t m_count, int64_t len) {
+// Calls run(first_row, rows, slot) for each run of up to kTile consecutive rows of one slot, and base(t) for
+// each row of slot -1. Returns 2, before any call, where a row's slot is not below num_slots.
+template <typename Run, typename Base>
+int for_each_run(const void* slots, int slot_bytes, int64_t num_rows, int64_t num_slots, Run run, Base base) {
   for (int64_t t = 0; t < num_rows; ++t) {
     if (slot_at(slots, slot_bytes, t) >= num_slots) return 2;
   }
@@ -123,20 +121,27 @@ int rows_times_weights(T* out, int64_t out_stride, const T* in, int64_t in_strid
   while (t < num_rows) {
     const int64_t slot = slot_at(slots, slot_bytes, t);
     if (slot < 0) {
-      if (!ADD) {
-        for (int64_t m = 0; m < m_count; ++m) out[t * out_stride + m] = Elem<T>::store(0.f);
-      }
-      ++t;
+      base(t++);
       continue;
     }
+    const int64_t first = t;
+    while (t - first < kTile && t < num_rows && slot_at(slots, slot_bytes, t) == slot) ++t;
+    run(first, static_cast<int>(t - first), slot);
+  }
+  return 0;
+}
+
+// rows x W[slot].T over the runs of one slot; -1 rows are zeroed (shrink) or skipped (expand).
+template <typename T, bool ADD>
+int rows_times_weights(T* out, int64_t out_stride, const T* in, int64_t in_stride, const T* w,
+                       int64_t w_slot, int64_t w_row, int64_t w_col, int64_t num_slots, const void* slots, int slot_bytes,
+                       int64_t num_rows, int64_t m_count, int64_t len) {
+  auto run = [&](int64_t first, int rows, int64_t slot) {
     T* outs[kTile];
     const T* ins[kTile];
-    int rows = 0;
-    while (rows < kTile && t < num_rows && slot_at(slots, slot_bytes, t) == slot) {
-      outs[rows] = out + t * out_stride;
-      ins[rows] = in + t * in_stride;
-      ++rows;
-      ++t;
+    for (int j = 0; j < rows; ++j) {
+      outs[j] = out + (first + j) * out_stride;
+      ins[j] = in + (first + j) * in_stride;
     }
     if (ADD && w_row == 1) {
       expand_tile_by_rank<T>(outs, ins, rows, w + slot * w_slot, w_col, m_count, len);
@@ -145,54 +150,45 @@ int rows_times_weights(T* out, int64_t out_stride, const T* in, int64_t in_strid
     } else {
       tile<T>(outs, ins, rows, w + slot * w_slot, w_row, m_count, len);
     }
-  }
-  return 0;
+  };
+  auto base = [&](int64_t t) {
+    if (!ADD) {
+      for (int64_t m = 0; m < m_count; ++m) out[t * out_stride + m] = Elem<T>::store(0.f);
+    }
+  };
+  return for_each_run(slots, slot_bytes, num_rows, num_slots, run, base);
 }
 
 // out[t, part_cols[p]:part_cols[p + 1]] += (x[t] @ A[slot].T)[p * rank:(p + 1) * rank] @ B_p[slot].T for every
 // part p of a fused projection, per run of rows of one slot: the shrink's rows stay in a local buffer (rounded
-// to T, as the two-call path stores them) and feed each part's expand.
+// to T, as the two-call path stores them) and feed each part's expand; -1 rows are not touched.
 template <typename T>
 int shrink_expand(T* out, int64_t out_stride, const T* x, int64_t x_stride, const T* a, int64_t a_slot,
                   int64_t a_row, const T* b, int64_t b_slot, int64_t b_rank, const int64_t* part_cols,
                   int64_t num_parts, int64_t num_slots, const void* slots, int slot_bytes, int64_t num_rows,
                   int64_t k, int64_t rank) {
-  for (int64_t t = 0; t < num_rows; ++t) {
-    if (slot_at(slots, slot_bytes, t) >= num_slots) return 2;
-  }
   const int64_t width = num_parts * rank;
   std::vector<T> buffer(kTile * width);
-  int64_t t = 0;
-  while (t < num_rows) {
-    const int64_t slot = slot_at(slots, slot_bytes, t);
-    if (slot < 0) {
-      ++t;
-      continue;
-    }
-    T* outs[kTile];
+  auto run = [&](int64_t first, int rows, int64_t slot) {
     T* ys[kTile];
     const T* ins[kTile];
-    int rows = 0;
-    while (rows < kTile && t < num_rows && slot_at(slots, slot_bytes, t) == slot) {
-      outs[rows] = out + t * out_stride;
-      ins[rows] = x + t * x_stride;
-      ys[rows] = buffer.data() + rows * width;
-      ++rows;
-      ++t;
+    for (int j = 0; j < rows; ++j) {
+      ins[j] = x + (first + j) * x_stride;
+      ys[j] = buffer.data() + j * width;
     }
     tile<T>(ys, ins, rows, a + slot * a_slot, a_row, width, k);
     for (int64_t p = 0; p < num_parts; ++p) {
       T* part_outs[kTile];
       const T* part_ys[kTile];
       for (int j = 0; j < rows; ++j) {
-        part_outs[j] = outs[j] + part_cols[p];
+        part_outs[j] = out + (first + j) * out_stride + part_cols[p];
         part_ys[j] = ys[j] + p * rank;
       }
       expand_tile_by_rank<T>(part_outs, part_ys, rows, b + slot * b_slot + part_cols[p], b_rank,
                              part_cols[p + 1] - part_cols[p], rank);
     }
-  }
-  return 0;
+  };
+  return for_each_run(slots, slot_bytes, num_rows, num_slots, run, [](int64_t) {});
 }
 
 }  // namespace
