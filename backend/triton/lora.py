@@ -5,7 +5,8 @@ A `lora_control` request carries one JSON object instead of a prompt: {"action":
 "lora_name": ..., "lora_path": ...} or {"action": "unload", "lora_name": ...} (vLLM's body fields). Its one
 response is `text_output` [1]: {"message": ..., "lora_adapters": {name: folder}}, the adapters after the action.
 Load and unload are refused unless the config.pbtxt parameter enable_lora_runtime_updates is true, and with
-more than one instance (each has its own engine, and Triton gives a request to one of them).
+more than one instance (each has its own engine, and Triton gives a request to one of them). A load of a
+lora_path that is no folder is refused naming field lora_path, any other failed load naming the adapter.
 """
 
 from __future__ import annotations
@@ -117,10 +118,14 @@ def parse_lora_control(raw: str, runtime_updates: bool, instances: int) -> LoRAC
 
 
 def run_lora_control(engine: Any, control: LoRAControl) -> dict[str, Any]:
-    """Apply one control on the engine thread; its answer. The engine's refusals (an adapter that does not load,
-    one in use, an unknown name) raise InvalidRequestError naming the adapter."""
+    """Apply one control on the engine thread; its answer. A load whose lora_path is no folder is refused
+    naming field lora_path (the shim's 404, vLLM's missing adapter); the engine's refusals (an adapter that does
+    not load, one in use, an unknown name) raise InvalidRequestError naming the adapter."""
     message = ""
     if control.action == "load":
+        if not Path(control.lora_path).is_dir():
+            raise InvalidRequestError(f"LoRA adapter {control.lora_name!r}: no adapter found at {control.lora_path} "
+                                      "(no such folder)", "lora_path")
         engine.add_lora(control.lora_name, control.lora_path)
         message = f"Success: LoRA adapter '{control.lora_name}' added successfully."
     elif control.action == "unload":

@@ -3,6 +3,8 @@ with its `parent` (the base model) and `root` (its folder), and /v1/load_lora_ad
 (vLLM's bodies; off unless --enable-lora-runtime-updates) load and unload them. With --lora-separator, the name
 `BASE<SEP>ADAPTER` of Triton's OpenAI frontend names the adapter too. The llm model's lora_control requests
 (backend/triton/lora.py) list, load and unload; the shim keeps the last list and asks again for a name not in it.
+As vLLM answers them, a load of a folder that does not exist and an unload of an unknown adapter are 404s, any
+other refused load a 400.
 """
 
 from __future__ import annotations
@@ -88,10 +90,13 @@ def _text_field(body: dict, name: str) -> str:
 
 
 def _control_error(error: Exception) -> APIError:
-    """A refused load or unload: 400 naming the field the llm model named (its message names the adapter)."""
+    """A refused load or unload: 400 naming the field the llm model named (its message names the adapter), but
+    404 for a lora_path that is no folder (the llm model names that field for it alone), as vLLM answers it."""
     wire = from_wire(str(error))
     if wire is not None and wire.kind is ErrorKind.INVALID_ARGUMENT:
-        return bad_request(wire.message, wire.field if wire.field in ("lora_name", "lora_path") else None)
+        if wire.field == "lora_path":
+            return APIError(404, wire.message, "lora_path", "not_found")
+        return bad_request(wire.message, wire.field if wire.field == "lora_name" else None)
     return triton_api_error(error)
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
-from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.errors import InvalidRequestError, to_wire
 from pagedserve.backend.triton.lora import (
     control_request,
     lora_engine_kwargs,
@@ -18,6 +18,7 @@ from pagedserve.backend.triton.lora import (
     model_instances,
     parse_lora_control,
     read_multi_lora,
+    run_lora_control,
 )
 from pagedserve.backend.triton.settings import ModelSettings, engine_arguments
 from pagedserve.client.lora_options import add_lora_arguments, lora_modules, lora_parameters, lora_shim_flags
@@ -25,6 +26,7 @@ from pagedserve.client.model_repository import DEFAULT_MODEL_REPOSITORY, prepare
 from pagedserve.client.openai.app import create_app
 from pagedserve.client.openai.lora import AdapterRegistry, LoRASettings
 from pagedserve.client.openai.shim import ShimSettings
+from pagedserve.client.triton_client import TritonRequestError
 
 UNREACHABLE = "127.0.0.1:9"
 
@@ -141,12 +143,39 @@ def test_serve_refuses_a_missing_adapter_folder_a_repeated_name_and_limits_witho
     assert "the folder of adapter 'sql' does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _serve_args("--lora", "no-equals-sign")
-    assert "expected NAME=PATH" in capsys.readouterr().err
+    assert "expected NAME=PATH or a JSON object" in capsys.readouterr().err
     twice = _serve_args("--lora", f"a={tmp_path}", "--lora", f"a={tmp_path}")
     with pytest.raises(SystemExit, match="given twice"):
         lora_modules(twice)
     with pytest.raises(SystemExit, match="--max-lora-rank needs LoRA on"):
         lora_parameters(_serve_args("--max-lora-rank", "64"))
+
+
+def test_vllm_json_lora_modules_name_a_folder_and_the_served_base_model(tmp_path):
+    (tmp_path / "sql").mkdir()
+    model = tmp_path / "tiny-model"
+    item = json.dumps({"name": "sql", "path": str(tmp_path / "sql"), "base_model_name": "tiny-model"})
+    args = _serve_args("--lora-modules", item, json.dumps({"name": "plain", "path": str(tmp_path / "sql")}))
+    args.model = str(model)
+    assert lora_modules(args) == {"sql": str(tmp_path / "sql"), "plain": str(tmp_path / "sql")}
+    args.model = "elsewhere/other-model"
+    with pytest.raises(SystemExit, match="base_model_name 'tiny-model' is not the served base model "
+                                         "\\('other-model' or 'elsewhere/other-model'\\)"):
+        lora_modules(args)
+
+
+@pytest.mark.parametrize("item, words", [
+    ('{"name": "sql", "path": ', "invalid JSON for --lora-modules"),
+    ('{"path": "/tmp"}', "needs 'name'"),
+    ('{"name": "sql"}', "needs 'path'"),
+    ('{"name": "sql", "path": "/tmp", "rank": 8}', "unknown --lora-modules field 'rank'"),
+    ('{"name": "sql", "path": "/tmp", "base_model_name": 3}', "base_model_name must be a non-empty string"),
+])
+def test_a_bad_json_lora_module_is_an_argparse_error_naming_the_flag(item, words, capsys):
+    with pytest.raises(SystemExit):
+        _serve_args("--lora-modules", item)
+    err = capsys.readouterr().err
+    assert "argument --lora/--lora-modules:" in err and words in err, err
 
 
 def test_model_names_ask_for_an_adapter_by_name_or_by_base_separator_adapter():
@@ -176,6 +205,37 @@ def test_runtime_adapter_endpoints_are_off_unless_enabled_and_answer_openai_erro
         assert reply.status_code == 404 and reply.json()["error"]["message"] == "The lora adapter 'a' cannot be found."
         reply = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/p"})
         assert reply.status_code == 503  # Triton unreachable: the service is at fault
+
+
+class _Engine:
+    """An engine's LoRA calls: a load is refused as a corrupt adapter's would be."""
+
+    def add_lora(self, name: str, path: str) -> None:
+        raise InvalidRequestError(f"LoRA adapter {name!r} ({path}): adapter_model.safetensors cannot be read", "lora")
+
+    def list_loras(self) -> dict[str, str]:
+        return {}
+
+
+def test_loading_a_missing_folder_is_404_naming_it_and_other_failed_loads_stay_400(tmp_path):
+    async def lora_control(body: dict) -> dict:
+        # The llm model's answer to the shim's control, refusals on the wire as Triton carries them.
+        control = parse_lora_control(json.dumps(body), True, 1)
+        try:
+            return run_lora_control(_Engine(), control)
+        except InvalidRequestError as error:
+            raise TritonRequestError(to_wire(error)) from None
+
+    settings = ShimSettings(triton_url=UNREACHABLE, model_name="tiny", lora=LoRASettings(runtime_updates=True))
+    with TestClient(create_app(settings)) as client:
+        client.app.state.shim.client.lora_control = lora_control
+        missing = tmp_path / "missing"
+        reply = client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(missing)})
+        error = reply.json()["error"]
+        assert reply.status_code == 404 and (error["param"], error["code"]) == ("lora_path", "not_found")
+        assert "'sql'" in error["message"] and str(missing) in error["message"]
+        reply = client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path)})
+        assert reply.status_code == 400 and "cannot be read" in reply.json()["error"]["message"]
 
 
 def test_lora_info_labels_name_the_adapters_of_running_and_waiting_requests():
