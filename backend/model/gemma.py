@@ -133,23 +133,9 @@ class Gemma2DecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        cos_sin_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer; returns (hidden, residual), the stream being their sum."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+    def after_attention(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output normed before the residual add; the MLP's normed on both sides."""
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 

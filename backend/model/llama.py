@@ -157,7 +157,10 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta)
+        return self.after_attention(self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta), residual)
+
+    def after_attention(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention's output to the layer's (hidden, residual): add-norm, then the MLP."""
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
