@@ -37,3 +37,24 @@ def spy(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[tuple
 
     monkeypatch.setattr(owner, name, recording)
     return calls
+
+
+def greedy_on_triton(monkeypatch: pytest.MonkeyPatch, path: object, prompts: list[list[int]],
+                     max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens from an fp32 CPU engine forced onto the Triton kernels (the interpreter); a
+    10-token budget chunks the longer prompts, so steps mix a prefill chunk with decodes."""
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    engine = LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", block_size=16, num_blocks=8,
+                                       max_num_batched_tokens=10, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=ids)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    return [final[f"r{i}"] for i in range(len(prompts))]

@@ -295,7 +295,7 @@ def test_one_call_for_every_part_equals_a_shrink_and_an_expand_per_part(dtype, r
     if not served:
         kernels.lora_shrink_expand_add(out, x, a, parts, slots, offsets)
     y = reference.lora_shrink(x, a, slots)
-    for i, (b, offset) in enumerate(zip(parts, offsets)):
+    for i, (b, offset) in enumerate(zip(parts, offsets, strict=True)):
         reference.lora_expand_add(want, y[:, i * rank:(i + 1) * rank], b, slots, offset)
     torch.testing.assert_close(out, want, **_tol(dtype))
     assert out[slots == -1].signbit().all()
@@ -329,7 +329,7 @@ def test_a_prepared_projection_call_equals_the_per_part_path_and_declines_what_i
     want = out.clone()
     assert prepared(out, x, slots)
     y = reference.lora_shrink(x, a, slots)
-    for i, (b, offset) in enumerate(zip(parts, offsets)):
+    for i, (b, offset) in enumerate(zip(parts, offsets, strict=True)):
         reference.lora_expand_add(want, y[:, i * rank:(i + 1) * rank], b, slots, offset)
     torch.testing.assert_close(out, want, **FP32_TOL)
     many = torch.zeros(cpu.NATIVE_MAX_ROWS + 1, dtype=torch.int32)
