@@ -58,3 +58,18 @@ def greedy_on_triton(monkeypatch: pytest.MonkeyPatch, path: object, prompts: lis
             if out.finished:
                 final[out.request_id] = out.outputs[0].token_ids
     return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+def compile_for_sm90(script: str) -> list[dict]:
+    """Run `script` (which prints one JSON list of compile_launch records last) in a fresh interpreter: here the
+    kernels were decorated for TRITON_INTERPRET and cannot compile. Returns the records."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -3,10 +3,7 @@ within the limit. Catches what the interpreter cannot (tile sizes that do not fi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from .checks import compile_for_sm90
 
 # Runs in a fresh interpreter: here the kernels were decorated for TRITON_INTERPRET and cannot compile.
 _SCRIPT = """
@@ -32,11 +29,7 @@ print(json.dumps([compile_launch(launch) for launch in launches]))
 
 
 def test_decode_and_prefill_attention_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    configs = json.loads(done.stdout.strip().splitlines()[-1])
+    configs = compile_for_sm90(_SCRIPT)
     assert [c["constexprs"]["BLOCK_M"] for c in configs] == [16, 128]
     for config in configs:
         assert config["stack_bytes"] == 0, config  # no register spills

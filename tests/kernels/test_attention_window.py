@@ -9,7 +9,7 @@ from pagedserve.kernels.attention import cpu as attention_cpu
 from pagedserve.kernels.attention import reference
 from pagedserve.kernels.attention import triton as attention_triton
 
-from .checks import needs_native
+from .checks import compile_for_sm90, needs_native
 from .test_attention import BF16_TOL, DECODES, FP32_TOL, MIXED, PagedBatch, make_batch
 
 # Windows below, at and across block and tile edges, one of a single key, one wider than every context.
@@ -190,16 +190,7 @@ print(json.dumps([compile_launch(launch) for launch in launches]))
 @pytest.mark.slow
 def test_windowed_and_capped_kernels_compile_for_sm90_without_spills():
     # Gemma 2's shapes (head size 256, GQA 2) and a 128-row tile: what the interpreter cannot check.
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    configs = json.loads(done.stdout.strip().splitlines()[-1])
+    configs = compile_for_sm90(_AOT_SCRIPT)
     assert [(c["constexprs"].get("WINDOWED"), c["constexprs"].get("SOFT_CAP")) for c in configs if
             "WINDOWED" in c["constexprs"]] == [(True, True)] * 3 + [(True, False)]
     for config in configs:

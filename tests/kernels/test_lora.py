@@ -3,11 +3,6 @@ Triton kernels (under the interpreter) against the reference, and which backend 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from pagedserve.kernels import native
@@ -17,7 +12,7 @@ from pagedserve.kernels.lora.grouping import group_slots
 
 from pagedserve import kernels
 
-from .checks import spy
+from .checks import compile_for_sm90, spy
 
 K, N = 37, 29  # odd sizes: partial K and N tiles
 MIXED = [2, -1, 0, 2, 2, -1, 1, 0, -1, 2, 0, 0, 2]  # every adapter's rows scattered, base rows between
@@ -228,11 +223,7 @@ print(json.dumps([compile_launch(launch) for launch in launches]))
 def test_the_kernels_compile_for_sm90_without_spills():
     from pagedserve.kernels.aot import SM90_MAX_SHARED_BYTES
 
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    configs = json.loads(done.stdout.strip().splitlines()[-1])
+    configs = compile_for_sm90(_AOT_SCRIPT)
     assert [(c["kernel"], c["constexprs"]["BLOCK_M"]) for c in configs] == [
         ("_lora_shrink_kernel", 16), ("_lora_expand_kernel", 16), ("_lora_shrink_kernel", 64), ("_lora_expand_kernel", 64)]
     assert all(c["stack_bytes"] == 0 and c["shared_bytes"] <= SM90_MAX_SHARED_BYTES for c in configs), configs

@@ -3,10 +3,7 @@ prefill row block, the gated w13 and the weighted w2 kernel: no register spills,
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from .checks import compile_for_sm90
 
 # Runs in a fresh interpreter: here the kernels were decorated for TRITON_INTERPRET and cannot compile.
 _SCRIPT = """
@@ -26,11 +23,7 @@ print(json.dumps([compile_launch(launch) for launch in launches]))
 
 
 def test_moe_gemm_kernels_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    configs = json.loads(done.stdout.strip().splitlines()[-1])
+    configs = compile_for_sm90(_SCRIPT)
     assert [(c["constexprs"]["BLOCK_M"], c["constexprs"]["GATED"]) for c in configs] == [
         (16, True), (16, False), (64, True), (64, False)]
     for config in configs:

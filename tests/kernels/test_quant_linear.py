@@ -8,6 +8,8 @@ from pagedserve.kernels import quant_linear as ql
 from pagedserve.kernels.quant_linear import cpu, reference
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 
+from .checks import compile_for_sm90
+
 M_ROWS = [1, 7, 64]
 
 
@@ -237,17 +239,9 @@ print(json.dumps([compile_launch(launch) for launch in launches]))
 
 
 def test_the_quantized_gemm_compiles_for_sm90_without_spills():
-    import json
-    import os
-    import subprocess
-    import sys
 
     # A fresh interpreter: here the kernels were decorated for TRITON_INTERPRET and cannot compile.
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PAGEDSERVE_KERNELS")}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    configs = json.loads(done.stdout.strip().splitlines()[-1])
+    configs = compile_for_sm90(_AOT_SCRIPT)
     assert [(c["constexprs"]["BITS"], c["constexprs"]["BLOCK_M"]) for c in configs] == [(4, 16), (4, 64), (8, 16),
                                                                                       (8, 64)]
     for config in configs:
