@@ -20,114 +20,15 @@ import asyncio
 import json
 import os
 import platform
-import random
 import sys
 import tempfile
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from serving_metrics import ServerSideTTFT, Timing, make_workload, path_ttft_ms, summarize
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = ("the quick brown fox jumps over lazy dog paged attention stores keys and values in blocks "
-         "a scheduler runs one token budget per step while requests arrive and leave").split()
-
-
-@dataclass
-class Timing:
-    """One request's client-side clock: send time, the arrival of each response, and tokens per response."""
-
-    sent: float
-    prompt: str = ""
-    arrivals: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.tokens)
-
-
-def make_workload(num_requests: int, seed: int, min_words: int, max_words: int) -> list[str]:
-    """Seeded prompts of random length built from a fixed word list."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words)))
-            for _ in range(num_requests)]
-
-
-def summarize(timings: list[Timing], wall_s: float) -> dict:
-    """Latency percentiles in milliseconds and output tokens/s over the level's wall time."""
-    ttft = [(t.arrivals[0] - t.sent) * 1e3 for t in timings if t.arrivals]
-    e2e = [(t.arrivals[-1] - t.sent) * 1e3 for t in timings if t.arrivals]
-    itl = []
-    for t in timings:
-        for prev, cur, n in zip(t.arrivals, t.arrivals[1:], t.tokens[1:], strict=False):
-            itl.extend([(cur - prev) * 1e3 / max(n, 1)] * max(n, 1))
-
-    def pct(values: list[float]) -> dict:
-        if not values:
-            return {"p50": None, "p90": None, "p99": None}
-        return {f"p{q}": round(float(np.percentile(values, q)), 3) for q in (50, 90, 99)}
-
-    tokens = sum(t.num_tokens for t in timings)
-    return {"ttft_ms": pct(ttft), "itl_ms": pct(itl), "e2e_ms": pct(e2e), "output_tokens": tokens,
-            "wall_s": round(wall_s, 3), "tok_s": round(tokens / wall_s, 2)}
-
-
-class ServerSideTTFT:
-    """What the server itself saw of a stretch of requests, read off it before and after: the llm model's
-    own TTFT histogram (`vllm:time_to_first_token_seconds`: from execute() to the end of the step that made
-    the first token) and Triton's queue time (its statistics extension: from the request's arrival in
-    tritonserver to execute()). A client's TTFT minus the engine's is what the path around the engine adds:
-    the client, the gRPC front end, the stub's hand-over into and out of the engine thread, the response;
-    the queue time is tritonserver's share of the way in."""
-
-    NAME = "vllm:time_to_first_token_seconds"
-
-    def __init__(self, server):
-        self._metrics_url = server.metrics_url
-        self._stats_url = f"http://{server.http_url}/v2/models/llm/stats"
-        self._start = self._read()
-
-    def _read(self) -> tuple[float, ...]:
-        from pagedserve.client.launcher import fetch_metrics, model_metric
-
-        text = fetch_metrics(self._metrics_url)
-        with urllib.request.urlopen(self._stats_url, timeout=10) as reply:
-            stats = json.loads(reply.read())["model_stats"][0]["inference_stats"]
-        queue, infer = stats["queue"], stats["compute_infer"]
-        return (model_metric(text, f"{self.NAME}_sum"), model_metric(text, f"{self.NAME}_count"),
-                float(queue["ns"]) / 1e9, float(queue["count"]), float(infer["ns"]) / 1e9, float(infer["count"]))
-
-    def means_ms(self) -> tuple[float | None, float | None, float | None]:
-        """(mean engine TTFT, mean Triton queue time, mean execute() time) of the requests since this object
-        was made, in ms."""
-        now = self._read()
-
-        def mean(total: int, count: int) -> float | None:
-            n = now[count] - self._start[count]
-            return (now[total] - self._start[total]) / n * 1e3 if n > 0 else None
-
-        return mean(0, 1), mean(2, 3), mean(4, 5)
-
-
-def path_ttft_ms(timings: list[Timing], server_means_ms: tuple[float | None, ...]) -> dict:
-    """Mean client TTFT, mean engine TTFT, their difference (what the path adds), Triton's mean queue time
-    and the mean time in the model's execute(), in milliseconds."""
-    engine_mean, queue_mean, execute_mean = server_means_ms
-    client = [(t.arrivals[0] - t.sent) * 1e3 for t in timings if t.arrivals]
-    client_mean = float(np.mean(client)) if client else None
-    added = None if client_mean is None or engine_mean is None else client_mean - engine_mean
-
-    def rounded(value: float | None) -> float | None:
-        return None if value is None else round(value, 3)
-
-    return {"client_mean": rounded(client_mean), "engine_mean": rounded(engine_mean),
-            "added_mean": rounded(added), "triton_queue_mean": rounded(queue_mean),
-            "execute_mean": rounded(execute_mean)}
-
-
 def _triton_inputs(prompt: str, sampling: dict) -> list:
     import tritonclient.grpc.aio as grpcclient
 
@@ -392,7 +293,8 @@ idle engine on both paths, so the two see the same arrivals.
     return summarize(local, local_wall), summary, paired_ttft_ms(local, remote)
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--tiny", action="store_true", help="use a tiny random model (smoke run)")
@@ -412,7 +314,12 @@ def main() -> int:
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads for both paths (OMP_NUM_THREADS for the server)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "serving.json")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    """Run both paths level by level, print the table, write the JSON."""
+    args = _parse_args()
 
     if args.torch_threads:
         import torch
@@ -429,16 +336,7 @@ def main() -> int:
 
     load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
-    if args.tiny:
-        from pagedserve.testing import make_tiny_model
-
-        model = str(make_tiny_model(work / "tiny", "llama"))
-    elif args.model:
-        model = str(Path(args.model).resolve())
-    else:
-        from pagedserve.backend.worker.default_model import ensure_default_model
-
-        model = str(ensure_default_model())
+    model = _model_folder(args, work)
     params = dict(p.split("=", 1) for p in args.param)
     params.setdefault("max_num_seqs", str(max(args.concurrency)))
     sampling = {"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True}
@@ -458,21 +356,9 @@ def main() -> int:
     http_port, grpc_port, metrics_port = free_loopback_ports(3)
     server = TritonServer(repository, work_dir=work, http_port=http_port, grpc_port=grpc_port,
                           metrics_port=metrics_port, log_file=work / "tritonserver.log")
-    inprocess, triton, matched, paired = {}, {}, {}, {}
     with server:
         server.wait_ready(900)
-        # Interleaved per level, so a change in the shared machine's load hits both paths alike.
-        for c, prompts in levels.items():
-            if c == 1:
-                inprocess[c], triton[c], paired[c] = run_alternating(engine, server, prompts, sampling, warmup)
-                matched[c] = inprocess[c]
-            else:
-                inprocess[c] = run_inprocess(engine, c, prompts, sampling)
-                triton[c], sent = run_triton(server, c, prompts, sampling, warmup, args.client_processes)
-                matched[c], replayed = run_replay(engine, sent, sampling)
-                paired[c] = paired_ttft_ms(replayed, sent)
-            print(f"  concurrency {c}: in-process {inprocess[c]['tok_s']} tok/s, triton {triton[c]['tok_s']} tok/s",
-                  flush=True)
+        runs = _run_levels(engine, server, levels, sampling, warmup, args.client_processes)
 
     results = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "device": device,
@@ -485,11 +371,52 @@ def main() -> int:
                      "prompt_words": [args.min_words, args.max_words], "seed": args.seed, "engine": params,
                      "llm_model": server_params, "client_processes": args.client_processes,
                      "torch_threads": args.torch_threads},
-        "concurrency": {},
+        "concurrency": _report(args.concurrency, *runs),
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _model_folder(args: argparse.Namespace, work: Path) -> str:
+    """The model both paths serve: a tiny random one, the given folder, or the default model."""
+    if args.tiny:
+        from pagedserve.testing import make_tiny_model
+
+        return str(make_tiny_model(work / "tiny", "llama"))
+    if args.model:
+        return str(Path(args.model).resolve())
+    from pagedserve.backend.worker.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def _run_levels(engine, server, levels: dict[int, list[str]], sampling: dict, warmup: list[str],
+                client_processes: int) -> tuple[dict, dict, dict, dict]:
+    """(triton, in-process, in-process on the same arrivals, paired TTFT differences) by concurrency."""
+    inprocess, triton, matched, paired = {}, {}, {}, {}
+    # Interleaved per level, so a change in the shared machine's load hits both paths alike.
+    for c, prompts in levels.items():
+        if c == 1:
+            inprocess[c], triton[c], paired[c] = run_alternating(engine, server, prompts, sampling, warmup)
+            matched[c] = inprocess[c]
+        else:
+            inprocess[c] = run_inprocess(engine, c, prompts, sampling)
+            triton[c], sent = run_triton(server, c, prompts, sampling, warmup, client_processes)
+            matched[c], replayed = run_replay(engine, sent, sampling)
+            paired[c] = paired_ttft_ms(replayed, sent)
+        print(f"  concurrency {c}: in-process {inprocess[c]['tok_s']} tok/s, triton {triton[c]['tok_s']} tok/s",
+              flush=True)
+    return triton, inprocess, matched, paired
+
+
+def _report(levels: list[int], triton: dict, inprocess: dict, matched: dict, paired: dict) -> dict:
+    """Print one table row per concurrency and return the rows: throughput ratio and the TTFT the path adds."""
+    rows = {}
     print(f"{'C':>3} {'triton tok/s':>13} {'in-proc tok/s':>14} {'ratio':>6} {'TTFT p50 +ms':>13} "
           f"{'same-arrivals +ms':>18} {'paired +ms':>11} {'path +ms':>9} {'queue ms':>9} {'ITL p50 ms':>11} {'E2E p99 ms':>11}")
-    for c in args.concurrency:
+    for c in levels:
         t, i, m = triton[c], inprocess[c], matched[c]
         row = {
             "triton_tok_s": t["tok_s"],
@@ -509,17 +436,14 @@ def main() -> int:
             row["ttft_ms_p50_added_same_arrivals"] = round(t["ttft_ms"]["p50"] - m["ttft_ms"]["p50"], 3)
             row["inprocess_same_arrivals"] = m
         row["ttft_ms_added_paired"] = paired[c]
-        results["concurrency"][str(c)] = row
+        rows[str(c)] = row
         print(f"{c:>3} {row['triton_tok_s']:>13.1f} {row['inprocess_tok_s']:>14.1f} {row['ratio']:>6.3f} "
               f"{row['ttft_ms_p50_added']:>13.2f} {row.get('ttft_ms_p50_added_same_arrivals', float('nan')):>18.2f} "
               f"{row['ttft_ms_added_paired_p50']:>11.2f} {_num(row['ttft_ms_mean_added_by_path']):>9.2f} "
               f"{_num(t['ttft_ms_path']['triton_queue_mean']):>9.2f} "
               f"{t['itl_ms']['p50']:>11.2f} "
               f"{t['e2e_ms']['p99']:>11.1f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    return rows
 
 
 def _num(value: float | None) -> float:
