@@ -99,6 +99,20 @@ def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelArchConfig, rank: in
     return tensor
 
 
+def shard_lora_pair(module: str, a: torch.Tensor, b: torch.Tensor, cfg: ModelArchConfig, rank: int,
+                    world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s part of a LoRA pair (A [r, K], B [N, r]) on target `module` (`cfg`: the whole model's config),
+    as vLLM splits it: a column-parallel module keeps A whole and B's rows of its output slice (split as its base
+    weight is, replicated KV heads too); a row-parallel one A's columns of its input slice and B whole, its
+    partial delta summed with its partial output."""
+    # Cloned: a view would keep the whole tensor alive in the host copies.
+    if module in ROW_PARALLEL:
+        return shard_tensor(f"{module}.weight", a, cfg, rank, world_size).clone(), b
+    if module not in COLUMN_PARALLEL:
+        raise ValueError(f"LoRA target {module!r} has no tensor-parallel split")
+    return a, shard_tensor(f"{module}.weight", b, cfg, rank, world_size).clone()
+
+
 def _kv_rows(tensor: torch.Tensor, cfg: ModelArchConfig, rank: int, world_size: int) -> torch.Tensor:
     """Rank `rank`'s K or V rows: its share of the KV heads, or (fewer heads than ranks) the one head its query
     heads read, replicated on world_size / num_kv_heads ranks."""

@@ -1,11 +1,16 @@
 """Multi-LoRA on the model: the decoder's projections wrapped to add each row's adapter delta, the adapters'
-stacked weights in `max_loras` resident slots swapped in LRU order, and the host copies kept for reloads."""
+stacked weights in `max_loras` resident slots swapped in LRU order, and the host copies kept for reloads.
+
+Under tensor parallelism each rank holds its shard of every adapter (sharding.shard_lora_pair), a row-parallel
+projection's LoRA inside its all-reduce. Rank 0 decides (slots, LRU) and sends its decisions in each step's plan
+(`plan`); the workers `mirror` them, each reading the adapter folders itself."""
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from pagedserve.backend.core.config import LoRAConfig
@@ -19,6 +24,8 @@ from pagedserve.backend.model.lora import (
     load_lora_adapter,
     module_shapes,
 )
+from pagedserve.backend.model.sharding import shard_lora_pair
+from pagedserve.backend.worker.parallel import LoRAPlan, RowParallelLinear
 from pagedserve.kernels.lora import SlotGroups, group_slots, native_projection
 from torch import nn
 
@@ -38,6 +45,16 @@ class LoRAStep:
         self.slots: torch.Tensor | None = None  # [T] int32, -1 = base model
         self.groups: SlotGroups | None = None
         self.active = 0  # bit s set: slot s has rows in this step
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAShard:
+    """Tensor parallelism's view of the adapters: each is checked against the whole model's `arch` and kept as
+    rank `rank`'s part of it."""
+
+    arch: ModelArchConfig
+    rank: int
+    world_size: int
 
 
 class LoRALinear(nn.Module):
@@ -85,11 +102,12 @@ class LoRALinear(nn.Module):
 class LoRAManager:
     """Owns the resident slots and the host copies. Adapters are known by the engine's load id (> 0); `prepare`
     gives the step's adapters slots (loading those not resident into the least recently used free ones) and
-    sets the per-row slot tensor the wrappers read."""
+    sets the per-row slot tensor the wrappers read. `arch` is this rank's (its sizes are the projections');
+    `shard` is given under tensor parallelism."""
 
     def __init__(self, model: nn.Module, arch: ModelArchConfig, config: LoRAConfig, dtype: torch.dtype,
-                 device: torch.device):
-        self.arch, self.config, self.dtype, self.device = arch, config, dtype, device
+                 device: torch.device, shard: LoRAShard | None = None):
+        self.arch, self.config, self.dtype, self.device, self.shard = arch, config, dtype, device, shard
         self.step = LoRAStep()
         self.wrapped: dict[tuple[int, str], LoRALinear] = _wrap_projections(model, arch, config, self.step,
                                                                            dtype, device)
@@ -99,6 +117,9 @@ class LoRAManager:
         self._last_used = [0] * config.max_loras
         self._clock = 0
         self.num_loads = 0
+        # Rank 0's loads and removals since its last plan (kept only under tensor parallelism, which sends them).
+        self._loads: list[tuple[int, int, str, str]] = []
+        self._removed: list[int] = []
 
     def add(self, lora_id: int, name: str, path: str) -> LoRAAdapter:
         """Read and check the adapter, keep it in host memory; InvalidRequestError (field "lora") if bad."""
@@ -116,6 +137,34 @@ class LoRAManager:
 
     def remove(self, lora_id: int) -> None:
         """Forget an adapter: its host copy and its slot."""
+        self._forget(lora_id)
+        if self.shard is not None:
+            self._removed.append(lora_id)
+
+    def plan(self) -> LoRAPlan:
+        """Rank 0: what the workers need to mirror this step's LoRA state, the loads and removals since the last
+        plan included."""
+        slots = None if self.step.slots is None else self.step.slots.cpu()
+        plan = LoRAPlan(self._loads, self._removed, slots, self.step.active)
+        self._loads, self._removed = [], []
+        return plan
+
+    def mirror(self, plan: LoRAPlan) -> None:
+        """A worker: make rank 0's removals and loads (reading each adapter folder not in host memory, at the
+        same path), then take the step's slots; InvalidRequestError if a folder cannot be read here."""
+        for lora_id in plan.removed:
+            self._forget(lora_id)
+        for slot, lora_id, name, path in plan.loads:
+            self.paths[lora_id] = (name, path)
+            self._copy_in(lora_id, slot)
+        self.step.active = plan.active
+        if plan.slots is None:
+            self.step.slots = self.step.groups = None
+            return
+        self.step.slots = plan.slots.to(self.device, non_blocking=True)
+        self.step.groups = group_slots(self.step.slots)
+
+    def _forget(self, lora_id: int) -> None:
         self.paths.pop(lora_id, None)
         self.host.pop(lora_id, None)
         for slot, held in enumerate(self.slot_ids):
@@ -150,13 +199,15 @@ class LoRAManager:
             taken = set(slot_of.values())
             slot = min((s for s in range(len(self.slot_ids)) if s not in taken),
                        key=lambda s: (self.slot_ids[s] != 0, self._last_used[s]))
-            self._load(lora_id, slot)
+            self._copy_in(lora_id, slot)
+            if self.shard is not None:
+                self._loads.append((slot, lora_id, *self.paths[lora_id]))
             slot_of[lora_id] = slot
         for slot in slot_of.values():
             self._last_used[slot] = self._clock
         return slot_of
 
-    def _load(self, lora_id: int, slot: int) -> None:
+    def _copy_in(self, lora_id: int, slot: int) -> None:
         """Copy an adapter into a slot: its A rows and B columns up to its rank, zeros elsewhere."""
         adapter = self.host.get(lora_id)
         if adapter is None:  # evicted from host memory: read again
@@ -179,10 +230,17 @@ class LoRAManager:
         logger.info("LoRA adapter %r loaded into slot %d", adapter.name, slot)
 
     def _read(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter checked against the whole model; under tensor parallelism this rank's shard of it."""
+        shard = self.shard
         try:
-            return load_lora_adapter(name, path, self.arch, self.config.max_lora_rank)
+            adapter = load_lora_adapter(name, path, self.arch if shard is None else shard.arch,
+                                        self.config.max_lora_rank)
         except LoRAAdapterError as error:
             raise InvalidRequestError(str(error), "lora") from None
+        if shard is not None:
+            adapter.weights = {(layer, part): shard_lora_pair(part, a, b, shard.arch, shard.rank, shard.world_size)
+                               for (layer, part), (a, b) in adapter.weights.items()}
+        return adapter
 
     def _keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
         """Host copy as the most recently used; beyond max_cpu_loras the least recently used is dropped."""
@@ -195,7 +253,8 @@ class LoRAManager:
 def _wrap_projections(model: nn.Module, arch: ModelArchConfig, config: LoRAConfig, step: LoRAStep,
                       dtype: torch.dtype, device: torch.device) -> dict[tuple[int, str], LoRALinear]:
     """Replace every decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by a LoRALinear over it; a
-    family without one of them (a mixture of experts' MLP) keeps its module, and adapters of it are refused."""
+    family without one of them (a mixture of experts' MLP) keeps its module, and adapters of it are refused. A
+    row-parallel projection's wrapper keeps its all-reduce outermost. `arch` gives the (this rank's) sizes."""
     shapes = module_shapes(arch)
     slots, rank = config.max_loras, config.max_lora_rank
     wrapped = {}
@@ -203,6 +262,9 @@ def _wrap_projections(model: nn.Module, arch: ModelArchConfig, config: LoRAConfi
         for projection, parts in LORA_PROJECTIONS.items():
             parent = getattr(layer, "self_attn" if projection in ("qkv_proj", "o_proj") else "mlp", None)
             base = getattr(parent, projection, None)
+            attribute = projection
+            if isinstance(base, RowParallelLinear):  # LoRA inside it: its all-reduce sums base and delta at once
+                parent, base, attribute = base, base.base, "base"
             in_features = shapes[parts[0]][0]
             if (getattr(base, "in_features", None), getattr(base, "out_features", None)) != (
                     in_features, sum(shapes[p][1] for p in parts)):
@@ -210,7 +272,7 @@ def _wrap_projections(model: nn.Module, arch: ModelArchConfig, config: LoRAConfi
             lora_a = torch.zeros(slots, len(parts) * rank, in_features, dtype=dtype, device=device)
             lora_b = _stacked_b(slots, [shapes[p][1] for p in parts], rank, dtype, device)
             linear = LoRALinear(base, step, lora_a, lora_b, rank)
-            setattr(parent, projection, linear)
+            setattr(parent, attribute, linear)
             wrapped[(layer_index, projection)] = linear
     return wrapped
 

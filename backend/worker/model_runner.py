@@ -12,7 +12,7 @@ from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
-from pagedserve.backend.worker.lora import LoRAManager
+from pagedserve.backend.worker.lora import LoRAManager, LoRAShard
 from pagedserve.backend.worker.parallel import StepPlan, TensorParallel
 
 import pagedserve
@@ -111,8 +111,12 @@ class ModelRunner:
             self.arch = self.model.config  # this rank's heads: its KV cache holds only theirs
         if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES:
             logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
-        self.lora = LoRAManager(self.model, self.arch, lora_config, self.dtype, self.device) if (
-            lora_config is not None and lora_config.enable_lora) else None
+        self.lora: LoRAManager | None = None
+        if lora_config is not None and lora_config.enable_lora:
+            # Under tensor parallelism adapters are checked against the whole model, each rank keeping its shard.
+            shard = None if tp is None else LoRAShard(ModelArchConfig.from_pretrained(model_config.model), tp.rank,
+                                                      tp.world_size)
+            self.lora = LoRAManager(self.model, self.arch, lora_config, self.dtype, self.device, shard)
         self.num_blocks = self._num_blocks(cache_config, scheduler_config)
         if tp is not None:
             self.num_blocks = tp.agree_num_blocks(self.num_blocks)
@@ -204,7 +208,8 @@ class ModelRunner:
             batch = self._prepare(scheduled)
             if self.tp is not None:
                 self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
-                                              batch.meta, batch.logit_rows))
+                                              batch.meta, batch.logit_rows,
+                                              None if self.lora is None else self.lora.plan()))
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
             logits = self.model.compute_logits(hidden[batch.logit_rows])
         num_sample = len(batch.sample_request_ids)

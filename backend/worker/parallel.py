@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pagedserve.backend.core.config import LoRAConfig, ModelConfig
+from pagedserve.backend.core.config import ModelConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.attention import AttentionMetadata
@@ -50,9 +50,9 @@ class TensorParallelError(RuntimeError):
     """A rank is gone or a collective failed: the engine cannot run another step and must be restarted."""
 
 
-def check_tensor_parallel(model_config: ModelConfig, lora_config: LoRAConfig | None) -> None:
+def check_tensor_parallel(model_config: ModelConfig) -> None:
     """Refuse, naming the field, what tensor_parallel_size > 1 cannot serve: a GGUF file, a quantized checkpoint, a
-    family not in TP_ARCHITECTURES, a size the ranks cannot split, quantization at load, LoRA."""
+    family not in TP_ARCHITECTURES, a size the ranks cannot split, quantization at load."""
     world = model_config.tensor_parallel_size
     if str(model_config.model).endswith(".gguf"):
         raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for GGUF files",
@@ -71,14 +71,24 @@ def check_tensor_parallel(model_config: ModelConfig, lora_config: LoRAConfig | N
     if model_config.quantization != "none":
         raise InvalidRequestError(f"quantization {model_config.quantization!r} is not supported with "
                                   f"tensor_parallel_size {world}", "quantization")
-    if lora_config is not None and lora_config.enable_lora:
-        raise InvalidRequestError(f"enable_lora is not supported with tensor_parallel_size {world}", "enable_lora")
+
+
+@dataclass(slots=True)
+class LoRAPlan:
+    """Rank 0's LoRA decisions, which every worker mirrors before the step's forward: the adapters rank 0 loaded
+    into slots since the last plan (each worker reads the folder itself, at the same path, and copies in its
+    shard), the load ids it forgot, and the step's per-row slots (None: no row has an adapter) and in-use mask."""
+
+    loads: list[tuple[int, int, str, str]]  # (slot, load id, name, path), in the order rank 0 made them
+    removed: list[int]
+    slots: torch.Tensor | None  # [T] int32 on the CPU, -1 = base model
+    active: int  # bit s set: slot s has rows in this step
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """What every rank needs to run rank 0's step: block copies, then one forward over these CPU tensors and the
-    logits of its `logit_rows` (whose gather every rank joins)."""
+    """What every rank needs to run rank 0's step: block copies, its LoRA decisions (None: LoRA off), then one
+    forward over these CPU tensors and the logits of its `logit_rows` (whose gather every rank joins)."""
 
     block_copies: list[tuple[int, int]]
     input_ids: torch.Tensor  # [T]
@@ -90,14 +100,15 @@ class StepPlan:
     max_seqlen_q: int
     max_seqlen_k: int
     logit_rows: torch.Tensor  # [R] hidden rows the step computes logits of
+    lora: LoRAPlan | None = None
 
     @classmethod
     def of(cls, block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
-           meta: AttentionMetadata, logit_rows: torch.Tensor) -> StepPlan:
+           meta: AttentionMetadata, logit_rows: torch.Tensor, lora: LoRAPlan | None = None) -> StepPlan:
         """The plan of a prepared step (its tensors brought to the CPU)."""
         cpu = [t.cpu() for t in (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q,
                                  meta.seq_lens)]
-        return cls(list(block_copies), *cpu, meta.max_seqlen_q, meta.max_seqlen_k, logit_rows.cpu())
+        return cls(list(block_copies), *cpu, meta.max_seqlen_q, meta.max_seqlen_k, logit_rows.cpu(), lora)
 
     def meta(self, device: torch.device) -> AttentionMetadata:
         """The attention metadata on `device`."""
@@ -176,7 +187,7 @@ class TensorParallel:
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group; one tensor-parallel "
                                "engine per process")
-        self.rank, self.world_size, self.device = rank, world_size, device
+        self.rank, self.world_size, self.device, self.store = rank, world_size, device, store
         timeout = collective_timeout() if timeout is None else timeout
         self.failure: str | None = None
         # Rank 0's probe of its workers: given seconds to wait for one to exit, a description of a dead one.
@@ -242,6 +253,22 @@ class TensorParallel:
             self._fail(error)
         return box[0]
 
+    def report(self, reason: str) -> None:
+        """A worker's last word before it exits: rank 0 adds it to the failure it reports."""
+        try:
+            self.store.set(f"{_REASON}{self.rank}", reason)
+        except Exception:  # noqa: BLE001 - rank 0 (the store's server) may be gone already
+            logger.debug("rank %d could not report why it stops", self.rank)
+
+    def _dead(self, wait: float) -> str | None:
+        """The liveness probe's dead worker, with the reasons any worker reported before exiting."""
+        dead = self.liveness(wait)
+        if dead is None:
+            return None
+        keys = [f"{_REASON}{rank}" for rank in range(1, self.world_size)]
+        reasons = [self.store.get(key).decode() for key in keys if self.store.check([key])]
+        return ": ".join([dead, *reasons])
+
     def close(self) -> None:
         """Leave the group."""
         if dist.is_initialized():
@@ -250,14 +277,14 @@ class TensorParallel:
     def _check(self) -> None:
         """Raise once the group has failed, or (rank 0) a worker is found dead before the next collective."""
         if self.failure is None:
-            dead = self.liveness(0.0)
+            dead = self._dead(0.0)
             if dead is not None:
                 self.failure = dead + _CANNOT_CONTINUE
         if self.failure is not None:
             raise TensorParallelError(self.failure)
 
     def _fail(self, error: BaseException) -> None:
-        cause = self.liveness(1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {error}"
+        cause = self._dead(1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {error}"
         self.failure = cause + _CANNOT_CONTINUE
         raise TensorParallelError(self.failure) from error
 
@@ -299,4 +326,5 @@ def _wait_for_ranks(store: dist.Store, world_size: int, timeout: float, liveness
 
 Liveness = Callable[[float], "str | None"]
 _JOINED = "pagedserve/joined"
+_REASON = "pagedserve/reason/"  # + rank: why that worker stopped
 _CANNOT_CONTINUE = "; this engine cannot run further steps (restart it)"

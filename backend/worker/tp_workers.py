@@ -21,8 +21,10 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 from pagedserve.backend.core.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.worker.model_runner import ModelRunner, resolve_device
 from pagedserve.backend.worker.parallel import (
+    StepPlan,
     TensorParallel,
     TensorParallelError,
     check_tensor_parallel,
@@ -34,7 +36,7 @@ from pagedserve import kernels
 logger = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_SECONDS = 10.0
-_CONFIGS = "pagedserve/configs"  # the store key of the pickled (model, cache, scheduler) configs
+_CONFIGS = "pagedserve/configs"  # the store key of the pickled (model, cache, scheduler, LoRA) configs
 
 
 def rendezvous(environ: dict[str, str] | None = None) -> str:
@@ -65,7 +67,7 @@ class TPWorkers:
 
     @classmethod
     def launch(cls, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-               init_method: str | None = None) -> TPWorkers:
+               lora_config: LoRAConfig | None = None, init_method: str | None = None) -> TPWorkers:
         """Spawn ranks 1..N-1 and join the group as rank 0 (the rendezvous waits for all of them)."""
         world = model_config.tensor_parallel_size
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
@@ -73,7 +75,7 @@ class TPWorkers:
             raise ValueError(f"LOCAL_WORLD_SIZE must be in [1, tensor_parallel_size {world}], got {local}")
         init_method = init_method or rendezvous()
         store = open_store(init_method, is_master=True)
-        store.set(_CONFIGS, pickle.dumps((model_config, cache_config, scheduler_config)))
+        store.set(_CONFIGS, pickle.dumps((model_config, cache_config, scheduler_config, lora_config)))
         context = multiprocessing.get_context("spawn")
         if not os.path.basename(sys.executable).startswith("python"):  # a host such as Triton's stub
             context.set_executable(os.path.join(sys.prefix, "bin", "python3"))
@@ -146,11 +148,11 @@ def start_runner(model_config: ModelConfig, cache_config: CacheConfig, scheduler
     should rank 0's start fail)."""
     if model_config.tensor_parallel_size == 1:
         return ModelRunner(model_config, cache_config, scheduler_config, lora_config), None
-    check_tensor_parallel(model_config, lora_config)
+    check_tensor_parallel(model_config)
     model_config = with_rank_threads(model_config)
-    workers = TPWorkers.launch(model_config, cache_config, scheduler_config)
+    workers = TPWorkers.launch(model_config, cache_config, scheduler_config, lora_config)
     try:
-        return ModelRunner(model_config, cache_config, scheduler_config, None, workers.group), workers
+        return ModelRunner(model_config, cache_config, scheduler_config, lora_config, workers.group), workers
     except BaseException:
         workers.group.close()  # a worker waiting in a collective sees the connection close and exits
         _end(workers.processes)
@@ -162,15 +164,16 @@ def worker_main(rank: int, init_method: str, local_rank: int | None = None,
     """Rank `rank`'s process: read the configs rank 0 published, join the group, build its runner, run each
     broadcast plan until None. `local_rank` (default `rank`) places it on its node's devices."""
     store = open_store(init_method, is_master=False, timeout=timeout)
-    model_config, cache_config, scheduler_config = pickle.loads(store.get(_CONFIGS))
+    model_config, cache_config, scheduler_config, lora_config = pickle.loads(store.get(_CONFIGS))
     device = rank_device(model_config.device, rank if local_rank is None else local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton kernels launch on the current device
     group = TensorParallel(rank, model_config.tensor_parallel_size, store, device, timeout)
     try:
-        runner = ModelRunner(model_config, cache_config, scheduler_config, None, group)
+        runner = ModelRunner(model_config, cache_config, scheduler_config, lora_config, group)
         while (plan := group.broadcast(None)) is not None:
             with torch.inference_mode():
+                _mirror_lora(runner, plan, rank)
                 kernels.copy_blocks(runner.key_caches, runner.value_caches, plan.block_copies)
                 hidden = runner.model(plan.input_ids.to(device), plan.positions.to(device), runner.kv_caches,
                                       plan.meta(device))
@@ -180,6 +183,19 @@ def worker_main(rank: int, init_method: str, local_rank: int | None = None,
         sys.exit(1)
     finally:
         group.close()
+
+
+def _mirror_lora(runner: ModelRunner, plan: StepPlan, rank: int) -> None:
+    """Make rank 0's LoRA decisions of the plan on this rank. A folder this rank cannot read (another node's
+    path) stops it: rank 0, waiting in the step's first collective, fails the step with this reason."""
+    if runner.lora is None or plan.lora is None:
+        return
+    try:
+        runner.lora.mirror(plan.lora)
+    except InvalidRequestError as error:
+        reason = f"rank {rank} cannot load a LoRA adapter rank 0 loaded: {error}"
+        runner.tp.report(reason)
+        raise TensorParallelError(reason) from error
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Tensor parallelism over gloo on the CPU: two ranks (this process and one spawned worker) give the tokens and
 fp32 logprobs of one rank and of transformers under chunked prefill, preemption and prefix hits, for the dense,
-Gemma and MoE families and a vocabulary the ranks do not divide; what cannot be split is refused naming the field;
-a killed worker fails the step with a clear error instead of hanging."""
+Gemma and MoE families and a vocabulary the ranks do not divide (LoRA: test_tensor_parallel_lora.py); what cannot
+be split is refused naming the field; a killed worker fails the step with a clear error instead of hanging."""
 
 from __future__ import annotations
 
@@ -249,14 +249,13 @@ def test_a_size_the_ranks_cannot_split_is_refused_naming_the_field(tmp_path, set
     assert error.value.field == "tensor_parallel_size"
 
 
-def test_lora_quantization_gguf_quantized_checkpoints_and_an_unsplittable_expert_are_refused_under_tp(tmp_path):
+def test_quantization_gguf_quantized_checkpoints_and_an_unsplittable_expert_are_refused_under_tp(tmp_path):
     from tests.support.tiny_gguf import write_model_gguf
 
     llama = make_tiny_model(tmp_path / "llama", "llama")
-    for options, field in (({"enable_lora": True}, "enable_lora"), ({"quantization": "int8"}, "quantization")):
-        with pytest.raises(InvalidRequestError) as error:
-            cpu_engine(llama, tensor_parallel_size=2, **options)
-        assert error.value.field == field
+    with pytest.raises(InvalidRequestError) as error:
+        cpu_engine(llama, tensor_parallel_size=2, quantization="int8")
+    assert error.value.field == "quantization"
     for bad in (0, 65, True):
         with pytest.raises(InvalidRequestError) as error:
             cpu_engine(llama, tensor_parallel_size=bad)
