@@ -5,7 +5,7 @@ vocabulary shard of the plan's logits rows) until told to stop.
 Several nodes: rank 0's node sets MASTER_ADDR / MASTER_PORT (an address the others reach) and LOCAL_WORLD_SIZE
 (the ranks it runs, 0..L-1); each other rank runs `python -m pagedserve.backend.worker.tp_workers` with the same
 MASTER_ADDR / MASTER_PORT, its RANK and LOCAL_RANK (its device on its node), and reads the engine's configs from
-the rendezvous store (the model folder must be at the same path)."""
+the rendezvous store (the model folder, and any LoRA adapter folder, must be at the same path)."""
 
 from __future__ import annotations
 

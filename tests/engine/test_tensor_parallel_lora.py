@@ -16,6 +16,7 @@ from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.lora import load_lora_adapter
 from pagedserve.backend.model.sharding import shard_lora_pair
+from pagedserve.backend.worker.parallel import LoRAPlan
 
 from pagedserve.testing import make_lora_adapter, make_tiny_model
 from tests.engine.test_lora import ATTENTION_AND_DOWN, PeftReference
@@ -86,12 +87,15 @@ def _run(engine: LLMEngine) -> dict[int, tuple[list[int], list[float]]]:
 
 
 def _assert_tp2_lora_matches(base: Path, adapters: dict[str, Path], peft_reference: PeftReference,
-                             **settings) -> LLMEngine:
-    """TP=2 equals TP=1 and peft per request; returns the (shut down) TP=2 engine."""
+                             **settings) -> tuple[LLMEngine, list[LoRAPlan]]:
+    """TP=2 equals TP=1 and peft per request; returns the (shut down) TP=2 engine and the LoRA plans rank 0
+    sent."""
     settings = {"enable_lora": True, "max_lora_rank": 16, "block_size": 4, "num_blocks": 64,
                 "lora_modules": {name: str(path) for name, path in adapters.items()}, **settings}
     expected = _run(_engine(base, **settings))
     two = _engine(base, **settings, **TP2)
+    plans, broadcast = [], two.runner.tp.broadcast
+    two.runner.tp.broadcast = lambda plan: (plan is not None and plans.append(plan.lora)) or broadcast(plan)
     try:
         got = _run(two)
     finally:
@@ -104,12 +108,12 @@ def _assert_tp2_lora_matches(base: Path, adapters: dict[str, Path], peft_referen
         assert got[i][1] == pytest.approx(expected[i][1], abs=1e-4)
     base_alone = peft_reference.greedy(base, None, prompts[1], MAX_NEW_TOKENS)[0]
     assert got[1][0] != base_alone, "the adapter must change the output for this test to mean anything"
-    return two
+    return two, plans
 
 
 def test_tp2_two_adapters_and_the_base_in_one_batch_match_tp1_and_peft(tiny_llama_path, tmp_path, peft_reference):
-    two = _assert_tp2_lora_matches(tiny_llama_path, _adapters(tiny_llama_path, tmp_path), peft_reference,
-                                   max_loras=2)
+    two, _ = _assert_tp2_lora_matches(tiny_llama_path, _adapters(tiny_llama_path, tmp_path), peft_reference,
+                                      max_loras=2)
     # o_proj's LoRA sits inside its all-reduce, q|k|v's on the column-parallel projection itself.
     attention = two.runner.model.layers[0].self_attn
     assert type(attention.o_proj).__name__ == "RowParallelLinear"
@@ -118,9 +122,16 @@ def test_tp2_two_adapters_and_the_base_in_one_batch_match_tp1_and_peft(tiny_llam
 
 def test_tp2_adapters_swapping_through_one_slot_on_a_replicated_kv_head_with_biases_match_tp1_and_peft(
         mqa_biased, tmp_path, peft_reference):
-    two = _assert_tp2_lora_matches(mqa_biased, _adapters(mqa_biased, tmp_path), peft_reference, max_loras=1,
-                                   max_cpu_loras=1, max_num_batched_tokens=16)
+    adapters = _adapters(mqa_biased, tmp_path)
+    two, plans = _assert_tp2_lora_matches(mqa_biased, adapters, peft_reference, max_loras=1, max_cpu_loras=1,
+                                          max_num_batched_tokens=16)
     assert two.runner.lora.num_loads >= 3, "a1, a2 and a1 again take the single slot in turn"
+    # Each load reached the worker once, as a name and a path (no weights), with the rows' slots.
+    loads = [load for plan in plans for load in plan.loads]
+    assert [(slot, name, path) for slot, _, name, path in loads][:3] == [
+        (0, "a1", str(adapters["a1"])), (0, "a2", str(adapters["a2"])), (0, "a1", str(adapters["a1"]))]
+    assert len(loads) == two.runner.lora.num_loads
+    assert all(plan.slots is None or plan.slots.dtype == torch.int32 for plan in plans)
 
 
 def test_a_rank_s_adapter_shard_holds_b_rows_of_its_output_or_a_columns_of_its_input(mqa_biased, tmp_path):
