@@ -67,8 +67,5 @@ def engine_args(model: str, options: dict[str, Any]) -> EngineArgs:
         if cls is not ModelConfig
     }
     model_config = ModelConfig(model=str(model), **{k: v for k, v in options.items() if k in CONFIG_FIELDS[ModelConfig]})
-    if configs[LoRAConfig].enable_lora and getattr(model_config, "tensor_parallel_size", 1) > 1:
-        raise InvalidRequestError("enable_lora is not supported with tensor_parallel_size > 1 yet (the adapters' "
-                                  "slots are not split across ranks)", "enable_lora")
     return EngineArgs(model_config, configs[CacheConfig], configs[SchedulerConfig], speculative_config,
                       configs[LoRAConfig], lora_modules)

@@ -4,14 +4,12 @@ too (rank 0's loads mirrored by the worker); a worker that cannot read an adapte
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from pagedserve.backend.engine.engine_args import engine_args
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.lora import load_lora_adapter
@@ -20,7 +18,7 @@ from pagedserve.backend.worker.parallel import LoRAPlan
 
 from pagedserve.testing import make_lora_adapter, make_tiny_model
 from tests.engine.test_lora import ATTENTION_AND_DOWN, PeftReference
-from tests.support.engines import greedy, run_to_end
+from tests.support.engines import cpu_engine, greedy, run_to_end
 
 TP2 = {"tensor_parallel_size": 2, "cpu_threads": 1}
 MAX_NEW_TOKENS = 6
@@ -37,15 +35,6 @@ def mqa_biased(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama with one KV head (both ranks replicate it) and biases on every projection, o_proj and down_proj too."""
     return make_tiny_model(tmp_path_factory.mktemp("tp-lora-llama"), "llama", seed=41, num_kv_heads=1,
                            config_extras={"attention_bias": True, "mlp_bias": True})
-
-
-def _engine(base: Path, tensor_parallel_size: int = 1, **settings) -> LLMEngine:
-    """An fp32 CPU engine built from its configs: engine_args still refuses enable_lora with
-    tensor_parallel_size > 1, the engine itself serves it."""
-    args = engine_args(str(base), {"dtype": "float32", "device": "cpu", **settings})
-    model_config = dataclasses.replace(args.model_config, tensor_parallel_size=tensor_parallel_size)
-    return LLMEngine(model_config, args.cache_config, args.scheduler_config, None, args.lora_config,
-                     args.lora_modules)
 
 
 def _adapters(base: Path, root: Path) -> dict[str, Path]:
@@ -92,8 +81,8 @@ def _assert_tp2_lora_matches(base: Path, adapters: dict[str, Path], peft_referen
     sent."""
     settings = {"enable_lora": True, "max_lora_rank": 16, "block_size": 4, "num_blocks": 64,
                 "lora_modules": {name: str(path) for name, path in adapters.items()}, **settings}
-    expected = _run(_engine(base, **settings))
-    two = _engine(base, **settings, **TP2)
+    expected = _run(cpu_engine(base, **settings))
+    two = cpu_engine(base, **settings, **TP2)
     plans, broadcast = [], two.runner.tp.broadcast
     two.runner.tp.broadcast = lambda plan: (plan is not None and plans.append(plan.lora)) or broadcast(plan)
     try:
@@ -149,7 +138,7 @@ def test_a_rank_s_adapter_shard_holds_b_rows_of_its_output_or_a_columns_of_its_i
 
 def test_a_worker_that_cannot_read_an_adapter_fails_the_step_naming_why(tiny_llama_path, tmp_path):
     adapter = make_lora_adapter(tiny_llama_path, tmp_path / "gone", rank=4, seed=3, targets=("q_proj",))
-    engine = _engine(tiny_llama_path, enable_lora=True, block_size=4, num_blocks=32,
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, block_size=4, num_blocks=32,
                         lora_modules={"gone": str(adapter)}, **TP2)
     try:
         shutil.rmtree(adapter)  # rank 0 keeps its host copy from the start; the worker reads at the first use
