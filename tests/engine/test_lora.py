@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from pagedserve.backend.core.outputs import RequestOutput
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.engine.llm_engine import LLMEngine
 
 from pagedserve.testing import make_lora_adapter
 from tests.support.engines import cpu_engine, greedy, run_to_end
@@ -73,27 +75,35 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_mixed_batch_matches_peft_per_request(setting, tiny_llama_path, adapters, peft_reference):
-    engine = cpu_engine(tiny_llama_path, enable_lora=True, block_size=4, max_lora_rank=16,
-                        lora_modules={name: str(path) for name, path in adapters.items()}, **SETTINGS[setting])
-    names = [None, "a1", "a2", "a1"]
-    prompts = _prompts(len(names))
+def run_with_a_late_repeat(engine: LLMEngine, names: list[str | None], prompts: list[list[int]],
+                           max_tokens: int) -> dict[str, RequestOutput]:
+    """Greedy requests r0..r3 (logprobs on) under `names` (base, a1, a2, a1): the first three at once, the
+    repeat of a1 once a2 runs (with one slot: a1, a2, a1 in turn); every final output by request id."""
 
     def submit(i: int) -> None:
-        engine.add_request(f"r{i}", None, greedy(MAX_NEW_TOKENS, logprobs=0, lora_name=names[i]),
+        engine.add_request(f"r{i}", None, greedy(max_tokens, logprobs=0, lora_name=names[i]),
                            prompt_token_ids=prompts[i])
 
     for i in range(3):
         submit(i)
     final = {}
-    for _ in range(64):  # the repeat of a1 arrives once a2 runs
+    for _ in range(64):
         if "a2" in engine.get_stats().running_lora_adapters:
             break
         final.update((out.request_id, out) for out in engine.step() if out.finished)
     assert "r2" not in final and "a2" in engine.get_stats().running_lora_adapters
     submit(3)
     final.update(run_to_end(engine))
+    return final
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_mixed_batch_matches_peft_per_request(setting, tiny_llama_path, adapters, peft_reference):
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, block_size=4, max_lora_rank=16,
+                        lora_modules={name: str(path) for name, path in adapters.items()}, **SETTINGS[setting])
+    names = [None, "a1", "a2", "a1"]
+    prompts = _prompts(len(names))
+    final = run_with_a_late_repeat(engine, names, prompts, MAX_NEW_TOKENS)
     outputs = {}
     for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
         completion = final[f"r{i}"].outputs[0]

@@ -17,7 +17,7 @@ from pagedserve.backend.model.sharding import shard_lora_pair
 from pagedserve.backend.worker.parallel import LoRAPlan
 
 from pagedserve.testing import make_lora_adapter, make_tiny_model
-from tests.engine.test_lora import ATTENTION_AND_DOWN, PeftReference
+from tests.engine.test_lora import ATTENTION_AND_DOWN, PeftReference, run_with_a_late_repeat
 from tests.support.engines import cpu_engine, greedy, run_to_end
 
 TP2 = {"tensor_parallel_size": 2, "cpu_threads": 1}
@@ -51,22 +51,7 @@ def _prompts(n: int) -> list[list[int]]:
 def _run(engine: LLMEngine) -> dict[int, tuple[list[int], list[float]]]:
     """The greedy tokens and logprobs of base, a1, a2 and a1 requests, the second a1 arriving once a2 runs (with
     one slot: a1, a2, a1 in turn)."""
-    prompts = _prompts(len(NAMES))
-
-    def submit(i: int) -> None:
-        engine.add_request(f"r{i}", None, greedy(MAX_NEW_TOKENS, logprobs=0, lora_name=NAMES[i]),
-                           prompt_token_ids=prompts[i])
-
-    for i in range(3):
-        submit(i)
-    final = {}
-    for _ in range(64):
-        if "a2" in engine.get_stats().running_lora_adapters:
-            break
-        final.update((out.request_id, out) for out in engine.step() if out.finished)
-    assert "r2" not in final and "a2" in engine.get_stats().running_lora_adapters
-    submit(3)
-    final.update(run_to_end(engine))
+    final = run_with_a_late_repeat(engine, NAMES, _prompts(len(NAMES)), MAX_NEW_TOKENS)
     results = {}
     for i in range(len(NAMES)):
         assert final[f"r{i}"].error is None, final[f"r{i}"].error
