@@ -217,6 +217,10 @@ class _Engine:
         return {}
 
 
+async def _closed() -> None:
+    return None
+
+
 def test_loading_a_missing_folder_is_404_naming_it_and_other_failed_loads_stay_400(tmp_path):
     async def lora_control(body: dict) -> dict:
         # The llm model's answer to the shim's control, refusals on the wire as Triton carries them.
@@ -228,7 +232,8 @@ def test_loading_a_missing_folder_is_404_naming_it_and_other_failed_loads_stay_4
 
     settings = ShimSettings(triton_url=UNREACHABLE, model_name="tiny", lora=LoRASettings(runtime_updates=True))
     with TestClient(create_app(settings)) as client:
-        client.app.state.shim.client.lora_control = lora_control
+        # The shim's gRPC client stands in for Triton (made here, it would need a running event loop).
+        client.app.state.shim._client = SimpleNamespace(lora_control=lora_control, close=_closed)
         missing = tmp_path / "missing"
         reply = client.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(missing)})
         error = reply.json()["error"]
