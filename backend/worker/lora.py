@@ -46,6 +46,15 @@ class LoRAStep:
         self.groups: SlotGroups | None = None
         self.active = 0  # bit s set: slot s has rows in this step
 
+    def set(self, slots: torch.Tensor | None, active: int, device: torch.device) -> None:
+        """The step's per-row slots (CPU int32; None: no row has an adapter), moved to `device` and grouped once."""
+        self.active = active
+        if slots is None:
+            self.slots = self.groups = None
+            return
+        self.slots = slots.to(device, non_blocking=True)
+        self.groups = group_slots(self.slots)
+
 
 @dataclass(frozen=True, slots=True)
 class LoRAShard:
@@ -157,12 +166,7 @@ class LoRAManager:
         for slot, lora_id, name, path in plan.loads:
             self.paths[lora_id] = (name, path)
             self._copy_in(lora_id, slot)
-        self.step.active = plan.active
-        if plan.slots is None:
-            self.step.slots = self.step.groups = None
-            return
-        self.step.slots = plan.slots.to(self.device, non_blocking=True)
-        self.step.groups = group_slots(self.step.slots)
+        self.step.set(plan.slots, plan.active, self.device)
 
     def _forget(self, lora_id: int) -> None:
         self.paths.pop(lora_id, None)
@@ -175,7 +179,7 @@ class LoRAManager:
         """The step's requests ordered by adapter (base first, stable), whose rows the runner lays out in that
         order, num_scheduled_tokens each; sets their per-row slots, None when no request has an adapter."""
         if not any(item.request.sampling_params.lora_int_id for item in scheduled):
-            self.step.slots = self.step.groups = None
+            self.step.set(None, 0, self.device)
             return scheduled
         scheduled = sorted(scheduled, key=lambda item: item.request.sampling_params.lora_int_id)
         ids = [item.request.sampling_params.lora_int_id for item in scheduled]
@@ -183,9 +187,7 @@ class LoRAManager:
         per_item = torch.tensor([slot_of.get(i, -1) for i in ids], dtype=torch.int32)
         counts = torch.tensor([item.num_scheduled_tokens for item in scheduled], dtype=torch.int64)
         rows = torch.repeat_interleave(per_item, counts, output_size=int(counts.sum()))
-        self.step.slots = rows.to(self.device, non_blocking=True)
-        self.step.groups = group_slots(self.step.slots)
-        self.step.active = sum(1 << slot for slot in slot_of.values())
+        self.step.set(rows, sum(1 << slot for slot in slot_of.values()), self.device)
         return scheduled
 
     def _activate(self, lora_ids: set[int]) -> dict[int, int]:
