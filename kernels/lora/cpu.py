@@ -89,7 +89,7 @@ def lora_shrink_expand_add(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Ten
     _fused_kernel(view.data_ptr(), x.data_ptr(), lora_a.data_ptr(), first.data_ptr(), slots.data_ptr(),
                   _SLOT_BYTES[slots.dtype], x.shape[0], x.shape[1], first.shape[2], lora_a.shape[0], view.stride(0),
                   x.stride(0), lora_a.stride(0), lora_a.stride(1), first.stride(0), first.stride(2),
-                  _part_columns(tuple(o - offsets[0] for o in offsets) + (offsets[-1] - offsets[0] + lora_b[-1].shape[1],)),
+                  _part_columns(offsets, lora_b[-1].shape[1]),
                   len(lora_b), native.dtype_code(out))
     return True
 
@@ -107,8 +107,7 @@ class NativeProjection:
         self.fixed = (lora_a.shape[2], first.shape[2], lora_a.shape[0])  # k, rank, slots
         self.weight_args = (lora_a.stride(0), lora_a.stride(1), first.stride(0), first.stride(2))
         self.pointers = (lora_a.data_ptr(), first.data_ptr())
-        self.columns = _part_columns(tuple(o - offsets[0] for o in offsets)
-                                     + (offsets[-1] - offsets[0] + lora_b[-1].shape[1],))
+        self.columns = _part_columns(offsets, lora_b[-1].shape[1])
         self.num_parts = len(lora_b)
 
     @classmethod
@@ -147,7 +146,12 @@ def _fused_layout(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
                for b, offset, end in zip(lora_b, offsets, (*offsets[1:], None), strict=True))
 
 
+def _part_columns(offsets: Sequence[int], last_width: int) -> ctypes.Array:
+    """The parts' column boundaries from the first part's column, as the C array the kernel reads."""
+    return _column_array(tuple(o - offsets[0] for o in offsets) + (offsets[-1] - offsets[0] + last_width,))
+
+
 @functools.lru_cache(maxsize=256)
-def _part_columns(columns: tuple[int, ...]) -> ctypes.Array:
-    """The parts' column boundaries as the C array the kernel reads (a few distinct projections per model)."""
+def _column_array(columns: tuple[int, ...]) -> ctypes.Array:
+    """One C array per distinct boundary tuple (a few projections per model)."""
     return (ctypes.c_int64 * len(columns))(*columns)
