@@ -7,10 +7,6 @@ FROM nvcr.io/nvidia/tritonserver:24.10-py3
 WORKDIR /opt/pagedserve
 COPY pyproject.toml README.md ./
 COPY pagedserve pagedserve
-COPY backend backend
-COPY kernels kernels
-COPY client client
-COPY model_repository model_repository
 # The image's python3 is the one its Python backend stub embeds; install into it (editable, so
 # `pagedserve serve` finds model_repository beside the package). Default torch wheels are CUDA builds.
 RUN pip install --no-cache-dir -e ".[server,gpu,convert]" \
@@ -22,5 +18,5 @@ RUN python3 -m pagedserve.backend.worker.default_model
 
 EXPOSE 8000 8001 8002 9000
 # The image's own tritonserver (on PATH) serves the repository; `tritonserver --model-repository
-# /opt/pagedserve/model_repository` works too: an empty `model` parameter means the default model.
+# /opt/pagedserve/pagedserve/model_repository` works too: an empty `model` parameter means the default model.
 ENTRYPOINT ["pagedserve", "serve", "--host", "0.0.0.0"]

@@ -34,7 +34,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check backend kernels client tests bench
+	$(BIN)/ruff check pagedserve tests bench
 
 bench: $(STAMP)
 	$(BIN)/python bench/scheduler.py

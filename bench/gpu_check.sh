@@ -6,7 +6,7 @@
 #   GPU_CHECK_PARTS="tp" bash bench/gpu_check.sh   only the named parts (default: all five)
 #
 # correctness covers every Triton kernel against its torch reference, the W8A16 / W4A16 quantized GEMM
-# (kernels/quant_linear) included, decode and prefill rows, each also timed against bf16 F.linear. tp runs
+# (pagedserve/kernels/quant_linear) included, decode and prefill rows, each also timed against bf16 F.linear. tp runs
 # bench/tp_gpu.py: one engine on one GPU against one split over two with NCCL (skipped with fewer than 2 GPUs;
 # its dry run is two CPU ranks over gloo).
 # Writes $OUT/gpu_check.json (every figure), $OUT/gpu_check.log (the run's output) and $OUT/env.log.

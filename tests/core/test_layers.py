@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Folder of the repository -> the package it installs as.
-PACKAGES = {"backend": "pagedserve.backend", "kernels": "pagedserve.kernels", "client": "pagedserve.client"}
+PACKAGES = {"pagedserve/backend": "pagedserve.backend", "pagedserve/kernels": "pagedserve.kernels",
+            "pagedserve/client": "pagedserve.client"}
 # Layer -> the other layers it may import. `pagedserve` is the package root (its start-up settings).
 ALLOWED = {
     "backend": set(),  # the package's own __init__

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 import yaml
+
 from pagedserve.client import launcher
 from pagedserve.client.launcher import (
     GRPC_PORT,
@@ -19,9 +21,9 @@ from pagedserve.client.launcher import (
     METRICS_PORT,
     OPENAI_PORT,
     READY_PATH,
-    REPO_ROOT,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "docs" / "deploy"
 KUBERNETES_VERSION = "1.30.0"  # the oldest minor the manifests promise to fit (autoscaling/v2 is GA since 1.23)
 PORTS = {"http": HTTP_PORT, "grpc": GRPC_PORT, "metrics": METRICS_PORT, "openai": OPENAI_PORT}
@@ -121,7 +123,7 @@ def test_hpa_scales_the_deployment_on_the_adapters_waiting_requests_metric():
     assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
     assert "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)" == rule["metricsQuery"]
     # The name is the llm model's gauge (metrics.py imports Triton's stub module, so read its text).
-    assert f'"{WAITING_METRIC}"' in (REPO_ROOT / "backend" / "triton" / "metrics.py").read_text()
+    assert f'"{WAITING_METRIC}"' in (REPO_ROOT / "pagedserve" / "backend" / "triton" / "metrics.py").read_text()
 
 
 def test_kserve_inference_service_runs_the_image_as_a_triton_predictor():

@@ -1,0 +1,213 @@
+"""Validated configuration dataclasses for the cache, the scheduler and the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.backend.core.errors import InvalidRequestError, json_object
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+QUANTIZATIONS = ("none", "int8", "int4")  # on-the-fly weight quantization (pagedserve/backend/model/quantized.py)
+MAX_BLOCK_SIZE = 256
+MAX_TENSOR_PARALLEL_SIZE = 64
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise InvalidRequestError unless `value` is an int (not bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__}", name)
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequestError(f"{name} must be {bound}, got {value}", name)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache layout; the number of blocks comes from a memory budget unless fixed."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(
+                f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {self.block_size}",
+                "block_size",
+            )
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must be in (0, 1], got {util!r}", "gpu_memory_utilization"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidRequestError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}",
+                "enable_prefix_caching",
+            )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Per-step limits: sequences, tokens, context length and the waiting queue's depth; and the order
+    waiting requests are admitted in: "fcfs" (arrival), or "priority" (vLLM's: lower `priority` first,
+    arrival within a level, and a waiting request may preempt running ones of a lower priority)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_num_waiting: int = 4096
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("max_num_waiting", self.max_num_waiting, 1)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+                "scheduling_policy",
+            )
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Which model to load, in which dtype, on which device, with its projections quantized or not."""
+
+    model: str
+    dtype: str = "auto"
+    quantization: str = "none"
+    device: str = "auto"
+    seed: int = 0
+    cpu_threads: int | None = None  # torch intra-op threads on the CPU; None keeps torch's default
+    tensor_parallel_size: int = 1  # ranks the model is split over (pagedserve/backend/worker/parallel.py)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidRequestError("model must be a non-empty string", "model")
+        if self.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}", "dtype")
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}", "quantization")
+        device = self.device
+        if not isinstance(device, str) or not (
+            device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+        ):
+            raise InvalidRequestError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}", "device"
+            )
+        _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1, 1024)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
+
+
+MAX_LORA_RANK = 512  # vLLM's largest choice
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving: `max_loras` adapters resident in the model's slots at once (the most one step
+    mixes), ranks up to `max_lora_rank`, `max_cpu_loras` adapters kept in host memory (default: max_loras)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise InvalidRequestError(f"enable_lora must be a bool, got {self.enable_lora!r}", "enable_lora")
+        _check_int("max_loras", self.max_loras, 1, 256)
+        _check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check_int("max_cpu_loras", self.max_cpu_loras, 1)
+        if self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})", "max_cpu_loras")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = (
+    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: n-gram (prompt-lookup) drafts of `num_speculative_tokens`, matched on the
+    last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min` (one given sets the other), or
+    (method "draft_model") the greedy continuation of the draft model folder `model`, which shares the
+    target's tokenizer; no drafts in a step while `disable_by_batch_size` or more requests run (None: always)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+                "speculative_config.method",
+            )
+        self._check_model()
+        _check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 64)
+        if self.disable_by_batch_size is not None:
+            _check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, 1)
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5  # vLLM's default when neither is given
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                _check_int(f"speculative_config.{name}", getattr(self, name), 1, 1024)
+        self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
+        self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})",
+                "speculative_config.prompt_lookup_min",
+            )
+
+    def _check_model(self) -> None:
+        """A draft model is a folder, given with method draft_model only."""
+        if self.method != "draft_model":
+            if self.model is not None:
+                raise InvalidRequestError(
+                    f"speculative_config.model is for method 'draft_model', not {self.method!r}",
+                    "speculative_config.model")
+            return
+        if not isinstance(self.model, str) or not Path(self.model).is_dir():
+            raise InvalidRequestError(
+                f"speculative_config.model must be a model folder for method 'draft_model', got {self.model!r}",
+                "speculative_config.model")
+
+    @classmethod
+    def from_value(cls, value: object) -> SpeculativeConfig | None:
+        """None (speculation off), a dict with vLLM's keys, or its JSON text (a Triton parameter, a CLI flag)."""
+        if value is None or value == "" or value == {}:
+            return None
+        value = json_object(value, "speculative_config")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise InvalidRequestError(
+                f"speculative_config has unknown keys {unknown}; allowed: {', '.join(_SPECULATIVE_KEYS)}",
+                f"speculative_config.{unknown[0]}",
+            )
+        if "num_speculative_tokens" not in value:
+            raise InvalidRequestError(
+                "speculative_config.num_speculative_tokens is required", "speculative_config.num_speculative_tokens")
+        return cls(**value)

@@ -1,0 +1,140 @@
+"""Read a GGUF file: its metadata as a config.json dict, and each tensor unpacked exactly into a QuantizedWeight
+(Q8_0, Q4_0, Q4_1) or a float tensor (F32, F16, BF16). Other tensor types are refused naming the tensor."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedserve.kernels.quant_linear import QuantizedWeight, from_int_values
+
+# GGUF general.architecture -> the Hugging Face architecture it loads as, and whether llama.cpp's converter
+# permuted the Q/K rows of each head (llama does, qwen2 does not).
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+_BLOCK = 32  # values per block of every supported quantized type
+
+
+class GGUFError(ValueError):
+    """A GGUF file pagedserve cannot serve: unreadable, truncated, or holding a type or architecture it lacks."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    """True for a path to a .gguf file."""
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def read(path: str | Path) -> Any:
+    """The file's gguf.GGUFReader (memory-mapped, cached per file version); GGUFError when it does not parse or its
+    tensor data runs past the end of the file."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise GGUFError(f"cannot read GGUF file {str(path)!r}: {error.strerror}") from None
+    return _read(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: str, mtime_ns: int, size: int) -> Any:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as error:  # the reader raises ValueError, IndexError or numpy errors on a cut-off file
+        raise GGUFError(f"GGUF file {path!r} is truncated or corrupt ({type(error).__name__}: {error})") from None
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise GGUFError(f"GGUF file {path!r} is truncated: tensor {tensor.name!r} ends at byte "
+                            f"{tensor.data_offset + tensor.n_bytes}, the file has {size}")
+    return reader
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """One metadata value (a scalar, a string or a list), `default` when absent."""
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
+
+
+def config_dict(path: str | Path) -> dict[str, Any]:
+    """The file's metadata as the config.json keys ModelArchConfig reads."""
+    reader = read(path)
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return field(reader, f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+    if meta("rope.scaling.type") == "linear":
+        rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
+    elif meta("rope.scaling.type") not in (None, "none"):
+        raise GGUFError(f"GGUF rope scaling {meta('rope.scaling.type')!r} is not supported; supported: linear")
+    return {
+        "architectures": [ARCHITECTURES[arch][0]],
+        "vocab_size": int(meta("vocab_size", len(field(reader, "tokenizer.ggml.tokens", [])))),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "rope_parameters": rope,
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+
+
+def permutes_qk(path: str | Path) -> bool:
+    """True when the file's Q/K rows are in llama.cpp's rotary order (undone at load)."""
+    return ARCHITECTURES[field(read(path), "general.architecture")][1]
+
+
+def tensors(path: str | Path) -> dict[str, Any]:
+    """The file's tensors (gguf ReaderTensor) by name."""
+    return {t.name: t for t in read(path).tensors}
+
+
+def unpack(tensor: Any) -> QuantizedWeight | torch.Tensor:
+    """A tensor exactly as stored: Q8_0 / Q4_0 / Q4_1 as a QuantizedWeight in groups of 32, floats as float."""
+    kind = tensor.tensor_type.name
+    if kind in FLOAT_TYPES:
+        data = np.array(tensor.data)  # a copy: the memory map is read-only
+        if kind == "BF16":
+            return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(_shape(tensor))
+        return torch.from_numpy(data).reshape(_shape(tensor))
+    if kind not in QUANT_TYPES:
+        raise GGUFError(f"GGUF tensor {tensor.name!r} has type {kind}, which pagedserve does not load; supported: "
+                        f"{', '.join(FLOAT_TYPES + QUANT_TYPES)} (re-quantize the file to one of them)")
+    rows, cols = _shape(tensor)
+    blocks = torch.from_numpy(np.array(tensor.data)).view(rows, cols // _BLOCK, -1)
+    scales = _half(blocks[..., 0:2])
+    if kind == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
+        return from_int_values(q, scales, None, 8, _BLOCK)
+    offsets = _half(blocks[..., 2:4]) if kind == "Q4_1" else -8 * scales.float()
+    nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
+    # A block's byte j holds value j in its low nibble and value j + 16 in its high nibble.
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(rows, cols)
+    return from_int_values(q, scales, offsets, 4, _BLOCK)
+
+
+def _shape(tensor: Any) -> tuple[int, ...]:
+    """Rows first (GGUF lists the dimensions innermost first)."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+
+def _half(pair: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float16
+    return pair.contiguous().view(torch.float16).squeeze(-1)

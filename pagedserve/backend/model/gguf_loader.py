@@ -1,0 +1,144 @@
+"""Build the model from a GGUF file without dequantizing it: quantized tensors become QuantizedLinear /
+QuantizedEmbedding layers holding the file's own integers and scales; float tensors load as they are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.backend.model import gguf_file
+from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.model.gguf_file import GGUFError
+from pagedserve.backend.model.llama import LlamaForCausalLM
+from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear, prepare_quantized
+from pagedserve.kernels.quant_linear import QuantizedWeight
+from pagedserve.kernels.quant_linear.layout import concat_rows, select_rows
+
+Loaded = QuantizedWeight | torch.Tensor
+# Our linear layer -> the GGUF tensors (per layer) concatenated along its rows.
+_LINEARS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int) -> LlamaForCausalLM:
+    """The model with every weight from the GGUF file at `path`; every tensor of the file must find its place."""
+    cfg = ModelArchConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_position)
+    model = model.to_empty(device=device).to(dtype)
+    source = _Source(path, cfg)
+    for i, layer in enumerate(model.layers):
+        for target, parts in _LINEARS.items():
+            parent, name = target.split(".")
+            names = [f"blk.{i}.{part}" for part in parts]
+            _set_linear(getattr(layer, parent), name, source.rows(names), source.bias(names), dtype, device)
+        for ours, theirs in _NORMS.items():
+            getattr(layer, ours).weight.data.copy_(source.float(f"blk.{i}.{theirs}.weight"))
+    model.norm.weight.data.copy_(source.float("output_norm.weight"))
+    _set_embeddings(model, source, cfg, dtype, device)
+    source.check_all_used()
+    prepare_quantized(model)
+    model.init_rope(dtype, device)
+    model.eval()
+    return model
+
+
+class _Source:
+    """The file's tensors, unpacked on request, with Q/K rows put back in Hugging Face order."""
+
+    def __init__(self, path: str | Path, cfg: ModelArchConfig):
+        self.path, self.cfg = path, cfg
+        self.tensors = gguf_file.tensors(path)
+        self.permuted = gguf_file.permutes_qk(path)
+        self.used: set[str] = set()
+
+    def get(self, name: str) -> Loaded:
+        if name not in self.tensors:
+            raise GGUFError(f"GGUF file {str(self.path)!r} has no tensor {name!r}")
+        self.used.add(name)
+        loaded = gguf_file.unpack(self.tensors[name])
+        heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(name.split(".")[-2])
+        if self.permuted and heads:
+            rows = _unpermute_rows(loaded.shape[0] if isinstance(loaded, torch.Tensor) else loaded.out_features,
+                                   heads)
+            loaded = loaded[rows] if isinstance(loaded, torch.Tensor) else select_rows(loaded, rows)
+        return loaded
+
+    def float(self, name: str) -> torch.Tensor:
+        loaded = self.get(name)
+        return loaded if isinstance(loaded, torch.Tensor) else loaded.dequantize()
+
+    def rows(self, names: list[str]) -> Loaded:
+        """The named weights stacked along their rows: one QuantizedWeight when all are quantized."""
+        parts = [self.get(f"{name}.weight") for name in names]
+        if all(isinstance(p, QuantizedWeight) for p in parts):
+            return parts[0] if len(parts) == 1 else concat_rows(parts)
+        return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
+
+    def bias(self, names: list[str]) -> torch.Tensor | None:
+        present = [f"{name}.bias" for name in names if f"{name}.bias" in self.tensors]
+        if not present:
+            return None
+        if len(present) != len(names):
+            raise GGUFError(f"GGUF file {str(self.path)!r} has biases for only some of {names}")
+        return torch.cat([self.float(name) for name in present])
+
+    def check_all_used(self) -> None:
+        unused = sorted(set(self.tensors) - self.used)
+        if unused:
+            raise GGUFError(f"GGUF file {str(self.path)!r} has {len(unused)} tensors pagedserve does not use, "
+                            f"e.g. {unused[:3]}")
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's per-head interleave of the rotary halves (as transformers undoes it)."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def _set_linear(parent: nn.Module, name: str, weight: Loaded, bias: torch.Tensor | None, dtype: torch.dtype,
+                device: torch.device) -> None:
+    """Fill the nn.Linear `parent.name` with a float weight, or put a QuantizedLinear in its place."""
+    linear: nn.Linear = getattr(parent, name)
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if isinstance(weight, torch.Tensor):
+        _copy(linear.weight, weight, name)
+        if bias is not None:
+            linear.bias.data.copy_(bias)
+        return
+    if (weight.out_features, weight.in_features) != tuple(linear.weight.shape):
+        raise GGUFError(f"GGUF weights for {name} have shape {(weight.out_features, weight.in_features)}, "
+                        f"expected {tuple(linear.weight.shape)}")
+    setattr(parent, name, QuantizedLinear(weight.to(device), bias))
+
+
+def _set_embeddings(model: LlamaForCausalLM, source: _Source, cfg: ModelArchConfig, dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """The token table (quantized or not) and the lm_head: its own `output.weight`, or the tied table."""
+    table = source.get("token_embd.weight")
+    if isinstance(table, QuantizedWeight):
+        table = table.to(device)
+        model.embed_tokens = QuantizedEmbedding(table, dtype)
+    else:
+        _copy(model.embed_tokens.weight, table, "token_embd.weight")
+    head: Any = table if cfg.tie_word_embeddings else source.get("output.weight")
+    if isinstance(head, QuantizedWeight):
+        model.lm_head = QuantizedLinear(head.to(device))
+    elif cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        _copy(model.lm_head.weight, head, "output.weight")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise GGUFError(f"GGUF tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)

@@ -1,0 +1,53 @@
+"""Paged attention: causal attention of each sequence's new queries over its K/V in the paged cache."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from pagedserve.kernels.attention import cpu, reference
+from pagedserve.kernels.dispatch import Implementations
+
+
+def _load_triton() -> ModuleType:
+    from pagedserve.kernels.attention import triton
+
+    return triton
+
+
+_IMPLEMENTATIONS = Implementations(reference, cpu, _load_triton)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32, context length including this step's tokens
+    scale: float,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention over the paged cache; query i of sequence s sits at seq_lens[s] - q_len_s + i.
+
+    sliding_window: that query sees only keys at positions p with pos - sliding_window < p <= pos
+    (transformers' sliding-window mask). logits_soft_cap: scores become cap * tanh(score / cap) (Gemma 2).
+    """
+    if sliding_window is None and logits_soft_cap is None:
+        return _IMPLEMENTATIONS.select(query).paged_attention(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
+            out,
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1; got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive; got {logits_soft_cap}")
+    return _IMPLEMENTATIONS.select(query).paged_attention(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
+        out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+    )

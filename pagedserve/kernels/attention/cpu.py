@@ -1,0 +1,168 @@
+"""The engine's CPU attention: decodes read the cache in place (native kernel), prefill chunks one at a time.
+
+The batched reference pads every prefill chunk of a step to the longest one and every context to the
+longest context; here each chunk runs SDPA over its own context only (causal without a mask for a fresh
+prompt), and decodes run `paged_attention.cpp`. Without the native library, decodes use the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import native
+from pagedserve.kernels.attention import reference
+from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
+
+_decode_kernel = native.Function(
+    "pagedserve_decode_attention",
+    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
+)
+# Below this many sequences per thread, one call is cheaper than handing work to another thread.
+_MIN_SEQS_PER_THREAD = 8
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """True when decode_attention can serve these tensors (CPU, fp32/bf16, contiguous caches)."""
+    return (
+        native.dtype_code(query) is not None
+        and key_cache.dtype == query.dtype
+        and key_cache.is_contiguous()
+        and native.load() is not None
+    )
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != workers:  # noqa: SLF001 - resize on a thread-count change
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedserve-attn")
+        return _pool
+
+
+def _run_split(run, num_seqs: int) -> None:
+    """run(begin, end) over the sequences, split across threads where there are enough of them."""
+    workers = min(torch.get_num_threads(), num_seqs // _MIN_SEQS_PER_THREAD)
+    if workers <= 1:
+        run(0, num_seqs)
+        return
+    # ctypes drops the GIL during the call, so threads split the sequences for real.
+    bounds = [num_seqs * i // workers for i in range(workers + 1)]
+    futures = [_executor(workers).submit(run, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    for future in futures:
+        future.result()
+
+
+def decode_attention(
+    query: torch.Tensor,  # [S, Hq, D], one query token per sequence
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], contiguous
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    seq_lens: torch.Tensor,  # [S], context length including the query token
+    scale: float,
+    out: torch.Tensor | None = None,  # [S, Hq, D]
+    mods: ScoreMods = NO_MODS,
+) -> torch.Tensor:
+    """Attention of each sequence's single query over its paged context, read in place; call supports() first."""
+    if native.load() is None:
+        raise RuntimeError("the native CPU attention kernel is not available")
+    num_seqs, num_q_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    query = query if query.stride(2) == 1 and query.stride(1) == head_dim else query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int64).contiguous()
+    target = out
+    if out is None or out.stride(2) != 1 or out.stride(1) != head_dim:
+        out = torch.empty(query.shape, dtype=query.dtype)
+    if num_seqs == 0:
+        return out if target is None else target
+    code = native.dtype_code(query)
+    window, soft_cap = mods.sliding_window or 0, mods.soft_cap or 0.0
+
+    def run(begin: int, end: int) -> None:
+        _decode_kernel(
+            out[begin].data_ptr(), query[begin].data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            tables[begin].data_ptr(), lens[begin].data_ptr(), end - begin, num_q_heads, num_kv_heads,
+            head_dim, block_size, tables.stride(0), query.stride(0), out.stride(0), scale, window, soft_cap, code,
+        )
+
+    _run_split(run, num_seqs)
+    if target is not None and target is not out:
+        target.copy_(out)
+        return target
+    return out
+
+
+def _context(cache: torch.Tensor, table: torch.Tensor, begin: int, end: int) -> torch.Tensor:  # -> [Hkv, L, D]
+    """One sequence's cached tokens begin..end-1, gathered block by block (whole blocks, few copies)."""
+    block_size = cache.shape[1]
+    first = begin // block_size
+    blocks = table[first : -(-end // block_size)].long()
+    rows = cache.index_select(0, blocks).flatten(0, 1)[begin - first * block_size : end - first * block_size]
+    return rows.transpose(0, 1)
+
+
+def _prefill_chunk(
+    query: torch.Tensor,  # [q_len, Hq, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    scale: float,
+    mods: ScoreMods = NO_MODS,
+) -> torch.Tensor:  # -> [q_len, Hq, D]
+    """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches."""
+    q_len, num_q_heads = query.shape[0], query.shape[1]
+    group = num_q_heads // key_cache.shape[2]
+    window = mods.sliding_window
+    begin = 0 if window is None else max(0, seq_len - q_len - window + 1)
+    # K/V repeated per query head: on the CPU SDPA's enable_gqa takes the slow math path, while 4-D
+    # inputs of equal head counts reach the flash kernel (docs/benchmarks.md, offline throughput).
+    k = _context(key_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
+    v = _context(value_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
+    q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
+    if q_len == seq_len and mods == NO_MODS:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        # Query i sits at seq_len - q_len + i and sees keys up to there (within its window).
+        key_pos = torch.arange(begin, seq_len)
+        mask = mods.visible(key_pos[None, :], (seq_len - q_len + torch.arange(q_len))[:, None])
+        o = mods.attend(q, k, v, mask, scale)
+    return o[0].transpose(0, 1)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """kernels.attention.paged_attention on the CPU: native decodes, per-sequence prefill chunks."""
+    if not supports(query, key_cache):
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                                         scale, max_seqlen_q, max_seqlen_k, out, sliding_window, logits_soft_cap)
+    mods = ScoreMods(sliding_window, logits_soft_cap)
+    num_tokens, num_seqs = query.shape[0], seq_lens.numel()
+    if max_seqlen_q == 1 and num_tokens == num_seqs:
+        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, mods)
+    result = out if out is not None else torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lengths = seq_lens.tolist()
+    decodes = [s for s in range(num_seqs) if starts[s + 1] - starts[s] == 1]
+    if decodes:
+        rows = torch.tensor([starts[s] for s in decodes])
+        index = torch.tensor(decodes)
+        result[rows] = decode_attention(query[rows], key_cache, value_cache, block_tables[index], seq_lens[index],
+                                        scale, mods=mods)
+    for s in range(num_seqs):
+        begin, end = starts[s], starts[s + 1]
+        if end - begin > 1:
+            result[begin:end] = _prefill_chunk(query[begin:end], key_cache, value_cache, block_tables[s],
+                                               lengths[s], scale, mods)
+    return result

@@ -1,0 +1,189 @@
+"""The canonical weight-only quantized weight every loader writes and every backend reads.
+
+W[n, k] = q[n, k] * scales[n, k // group_size] + offsets[n, k // group_size] (offsets 0 when None), in fp32.
+int8 values are signed; int4 values are unsigned 0..15, two per byte (even k in the low nibble), so a
+symmetric int4 weight carries offsets = -8 * scales. Every source maps onto this form without rounding:
+GGUF Q8_0 (offsets None), Q4_0 (offsets -8d), Q4_1 (offsets m), GPTQ/AWQ (offsets -zero * scale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BITS = (4, 8)
+
+
+@dataclass(eq=False)
+class QuantizedWeight:
+    """A [out_features, in_features] weight as integers, per-group scales and optional per-group offsets."""
+
+    qweight: torch.Tensor  # bits 8: int8 [N, K]; bits 4: uint8 [N, ceil(K / 2)]
+    scales: torch.Tensor  # [N, ceil(K / group_size)] float
+    offsets: torch.Tensor | None  # like scales, or None
+    bits: int
+    group_size: int  # in_features for one scale per output channel
+    in_features: int
+    # Backend-specific packed forms built from the tensors above on first use (pagedserve/kernels/quant_linear/cpu.py).
+    packed: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Set when a backend's packed form replaced qweight (release_qweight): the integers of some rows (all: None).
+    unpacker: Callable[[torch.Tensor | None], torch.Tensor] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        n, k, groups = self.out_features, self.in_features, self.num_groups
+        if self.bits not in BITS:
+            raise ValueError(f"quantized weights have 4 or 8 bits, got {self.bits}")
+        if self.group_size < 1 or (self.bits == 4 and self.group_size % 2 and self.group_size < k):
+            raise ValueError(f"int4 groups must be whole bytes (an even group_size), got {self.group_size}")
+        want = (torch.int8, (n, k)) if self.bits == 8 else (torch.uint8, (n, (k + 1) // 2))
+        if (self.qweight.dtype, tuple(self.qweight.shape)) != want:
+            raise ValueError(f"{self.bits}-bit qweight must be {want[0]} {want[1]}, got "
+                             f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+        for name in ("scales", "offsets"):
+            tensor = getattr(self, name)
+            if tensor is not None and (tuple(tensor.shape) != (n, groups) or not tensor.is_floating_point()):
+                raise ValueError(f"{name} must be a float [{n}, {groups}] tensor, got {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.scales.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return -(-self.in_features // self.group_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.scales.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by name (qweight absent once released)."""
+        named = {"scales": self.scales} if self.qweight is None else {"qweight": self.qweight, "scales": self.scales}
+        return named if self.offsets is None else {**named, "offsets": self.offsets}
+
+    def release_qweight(self, unpacker: Callable[[torch.Tensor | None], torch.Tensor]) -> None:
+        """Drop qweight once a backend's packed form holds the same integers; `unpacker(rows)` gives them back."""
+        self.qweight, self.unpacker = None, unpacker
+
+    def canonical_qweight(self) -> torch.Tensor:
+        """qweight, rebuilt from the packed form when it was released."""
+        if self.qweight is not None:
+            return self.qweight
+        q = self.int_values()
+        return q.to(torch.int8) if self.bits == 8 else pack_int4(q)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors, packed forms excluded."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def packed_nbytes(self) -> int:
+        """Bytes the packed forms add (a form that reuses a stored tensor adds nothing)."""
+        seen = {t.data_ptr() for t in self.tensors().values()}
+        total, pending = 0, list(self.packed.values())
+        while pending:
+            item = pending.pop()
+            if isinstance(item, tuple | list):
+                pending.extend(item)
+            elif isinstance(item, torch.Tensor) and item.data_ptr() not in seen:
+                seen.add(item.data_ptr())
+                total += item.numel() * item.element_size()
+        return total
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight on another device (packed forms are rebuilt there); itself when already there."""
+        if self.device == torch.device(device):
+            return self
+        offsets = None if self.offsets is None else self.offsets.to(device)
+        return QuantizedWeight(self.canonical_qweight().to(device), self.scales.to(device), offsets, self.bits,
+                               self.group_size, self.in_features)
+
+    def int_values(self, rows: torch.Tensor | None = None) -> torch.Tensor:  # [N or len(rows), K] int32
+        """The integers q (of `rows` only, when given), unpacked."""
+        if self.qweight is None:
+            return self.unpacker(rows)
+        packed = self.qweight if rows is None else self.qweight[rows]
+        return packed.to(torch.int32) if self.bits == 8 else unpack_int4(packed, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """W (or its `rows`) computed in fp32 and then cast to `dtype`."""
+        q = self.int_values(rows)
+        scales = self.scales if rows is None else self.scales[rows]
+        w = q.to(torch.float32) * _per_column(scales, self.group_size, self.in_features)
+        if self.offsets is not None:
+            offsets = self.offsets if rows is None else self.offsets[rows]
+            w = w + _per_column(offsets, self.group_size, self.in_features)
+        return w.to(dtype)
+
+
+def _per_column(per_group: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """[..., G] -> [..., K] fp32, each group's value repeated over its columns."""
+    return per_group.to(torch.float32).repeat_interleave(group_size, dim=-1)[..., :in_features]
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:  # [..., K] ints 0..15 -> [..., ceil(K/2)] uint8
+    """Two 4-bit values per byte, even k in the low nibble (an odd K pads a zero high nibble)."""
+    if values.numel() and (values.min() < 0 or values.max() > 15):
+        raise ValueError("int4 values must lie in 0..15")
+    values = values.to(torch.uint8)
+    if values.shape[-1] % 2:
+        values = torch.nn.functional.pad(values, (0, 1))
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:  # -> [..., K] int32
+    """pack_int4's inverse."""
+    low = (packed & 15).to(torch.int32)
+    high = (packed >> 4).to(torch.int32)
+    return torch.stack([low, high], dim=-1).flatten(-2)[..., :in_features]
+
+
+def from_int_values(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
+                    group_size: int) -> QuantizedWeight:
+    """A QuantizedWeight from unpacked integers [N, K] (signed for 8 bits, 0..15 for 4)."""
+    in_features = q.shape[-1]
+    if bits == 8:
+        if q.numel() and (q.min() < -128 or q.max() > 127):
+            raise ValueError("int8 values must lie in -128..127")
+        qweight = q.to(torch.int8)
+    else:
+        qweight = pack_int4(q)
+    return QuantizedWeight(qweight.contiguous(), scales.contiguous(),
+                           None if offsets is None else offsets.contiguous(), bits, group_size, in_features)
+
+
+def select_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
+    """The weight's output rows in the order of `rows` (exact: rows carry their own scales)."""
+    offsets = None if weight.offsets is None else weight.offsets[rows]
+    return QuantizedWeight(weight.canonical_qweight()[rows].contiguous(), weight.scales[rows].contiguous(),
+                           None if offsets is None else offsets.contiguous(), weight.bits, weight.group_size,
+                           weight.in_features)
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """One weight whose rows are each weight's in turn (a fused projection); int4 parts widen to int8 when the
+    bits differ (the same values, scales and offsets), scales and offsets to fp32 when their dtypes differ."""
+    first = weights[0]
+    if any((w.group_size, w.in_features) != (first.group_size, first.in_features) for w in weights):
+        raise ValueError("fused parts need the same group size and input width: "
+                         f"{[(w.group_size, w.in_features) for w in weights]}")
+    bits = max(w.bits for w in weights)
+    any_offsets = any(w.offsets is not None for w in weights)
+
+    def common(tensors: list[torch.Tensor]) -> torch.Tensor:
+        same = all(t.dtype == tensors[0].dtype for t in tensors)
+        return torch.cat(tensors if same else [t.to(torch.float32) for t in tensors])
+
+    def offsets(w: QuantizedWeight) -> torch.Tensor:
+        return w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+
+    if bits == 4:
+        qweight = torch.cat([w.canonical_qweight() for w in weights])
+    else:
+        qweight = torch.cat([w.canonical_qweight() if w.bits == 8 else w.int_values().to(torch.int8) for w in weights])
+    return QuantizedWeight(qweight, common([w.scales for w in weights]),
+                           common([offsets(w) for w in weights]) if any_offsets else None, bits,
+                           first.group_size, first.in_features)

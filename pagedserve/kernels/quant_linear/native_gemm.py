@@ -1,0 +1,126 @@
+"""The native weight-only GEMM for few activation rows (`quant_gemm.cpp`): its packed layout and its call.
+
+The weight is packed once into tiles of 16 output rows, k-major inside a tile (one vector lane per output row),
+scales and offsets beside it per tile and group, fp16 where that holds them exactly, else fp32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import torch
+
+from pagedserve.kernels import native
+from pagedserve.kernels.quant_linear.layout import QuantizedWeight
+
+TILE = 16
+_gemm = native.Function(
+    "pagedserve_quant_gemm",
+    [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_int],
+    {2: "native quantized GEMM: bits must be 4 or 8", 3: "native quantized GEMM: K must be whole (even) groups"},
+)
+# Below this many tiles per thread, one call is cheaper than handing work to another thread.
+_MIN_TILES_PER_THREAD = 64
+_DTYPE_CODES = {torch.float32: native.dtype_code(torch.empty(0)),
+                torch.bfloat16: native.dtype_code(torch.empty(0, dtype=torch.bfloat16))}
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+class NativePacked(NamedTuple):
+    """The packed integers [tiles, K or K/2, 16] and per-tile scales/offsets [tiles, groups, 16], and the
+    kernel's per-weight arguments (pointers and sizes) worked out once."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    weight_args: tuple[int, ...]  # q, scales, offsets pointers; n, k, group_size, bits, half
+
+
+def fits(weight: QuantizedWeight) -> bool:
+    """True when the native kernel serves this layout (whole groups; int4 groups of whole bytes) and it loads."""
+    k, size = weight.in_features, weight.group_size
+    whole = k % size == 0 and (weight.bits == 8 or size % 2 == 0)
+    return whole and weight.device.type == "cpu" and native.load() is not None
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:  # [N, C] -> [tiles, C, 16], rows padded with zeros
+    pad = -t.shape[0] % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _params(scales: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both in fp16 when fp16 holds every value exactly (GGUF's own scales), else both in fp32."""
+    both = [scales.float()] + ([] if offsets is None else [offsets.float()])
+    half = all(torch.equal(t.half().float(), t) for t in both)
+    tiled = [_tiles(t.half() if half else t) for t in both]
+    return tiled[0], (tiled[1] if offsets is not None else None)
+
+
+def pack(weight: QuantizedWeight) -> NativePacked:
+    """The native layout of `weight` (call fits() first)."""
+    q = weight.int_values()
+    if weight.bits == 8:
+        packed = _tiles(q.to(torch.int8))
+    else:
+        q = q.to(torch.uint8)
+        packed = _tiles(q[:, 0::2] | (q[:, 1::2] << 4))
+    scales, offsets = _params(weight.scales, weight.offsets)
+    args = (packed.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
+            weight.out_features, weight.in_features, weight.group_size, weight.bits,
+            int(scales.dtype == torch.float16))
+    return NativePacked(packed, scales, offsets, args)
+
+
+def unpacker(packed: NativePacked, weight: QuantizedWeight):
+    """The integers [rows, K] int32 read back from the packed tiles, only the rows asked for."""
+    n, k = weight.out_features, weight.in_features
+
+    def unpack(rows: torch.Tensor | None) -> torch.Tensor:
+        rows = torch.arange(n) if rows is None else rows.long()
+        q = packed.q[rows // TILE, :, rows % TILE]  # [R, K or K/2]
+        if weight.bits == 4:
+            q = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)[:, :k]
+        return q.to(torch.int32)
+
+    return unpack
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers != workers:  # noqa: SLF001 - resize on a thread-count change
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedserve-qgemm")
+        return _pool
+
+
+def gemm(x: torch.Tensor, packed: NativePacked) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype, split over threads by tiles."""
+    m, n = x.shape[0], packed.weight_args[3]
+    out = torch.empty(m, n, dtype=x.dtype)
+    if m == 0:
+        return out
+    tiles = packed.q.shape[0]
+    code = _DTYPE_CODES[x.dtype]
+    q, scales, offsets, *sizes = packed.weight_args
+    x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
+
+    def run(begin: int, end: int) -> None:
+        _gemm(x_ptr, out_ptr, q, scales, offsets, m, *sizes, begin, end, code)
+
+    workers = min(torch.get_num_threads(), tiles // _MIN_TILES_PER_THREAD)
+    if workers <= 1:
+        run(0, tiles)
+        return out
+    bounds = [tiles * i // workers for i in range(workers + 1)]
+    futures = [_executor(workers).submit(run, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    for future in futures:
+        future.result()
+    return out

@@ -1,0 +1,114 @@
+// Sampling over fp32 logits rows for the CPU path: an inverse-CDF draw and the row's log-sum-exp in three
+// passes over one row (max; exp and block sums; search), where torch makes five full-size temporaries;
+// and the exact bf16 -> fp32 widening of the logits.
+//
+// Semantics follow pagedserve/kernels/sampling/reference.py: probs = exp((x - max) / T), tokens below min_p * max
+// prob (the max prob is 1 here) are dropped, the token is the first whose running sum exceeds u * total,
+// and the returned normaliser is max / T + log(total). -inf logits (top-k/top-p masks) get probability 0.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../native/cpu_common.h"
+
+namespace {
+
+constexpr int64_t kChunk = 256;  // running sums are kept per chunk so the search skips whole chunks
+
+// Unnormalised probs of one row into `probs`, chunk sums into `sums`; returns the row max.
+float row_probs(const float* logits, int64_t vocab, float inv_temp, float min_p, float* probs, double* sums) {
+  float row_max = -INFINITY;
+  for (int64_t i = 0; i < vocab; ++i) row_max = logits[i] > row_max ? logits[i] : row_max;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const float x = logits[i];
+    const float p = pagedserve::fast_exp((x - row_max) * inv_temp);
+    probs[i] = (x == -INFINITY || p < min_p) ? 0.f : p;
+  }
+  for (int64_t c = 0; c * kChunk < vocab; ++c) {
+    const int64_t end = (c + 1) * kChunk < vocab ? (c + 1) * kChunk : vocab;
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = c * kChunk; i < end; ++i) total += probs[i];
+    sums[c] = total;  // may differ from the search's in-order sum by rounding; search() tolerates that
+  }
+  return row_max;
+}
+
+// First token whose running sum exceeds target, searching chunk sums first; never a zero-probability token.
+int64_t search(const float* probs, const double* sums, int64_t vocab, double target) {
+  const int64_t num_chunks = (vocab + kChunk - 1) / kChunk;
+  int64_t last_nonzero = -1;
+  double running = 0.0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    if (sums[c] <= 0.0) continue;
+    if (running + sums[c] <= target && c + 1 < num_chunks) {
+      running += sums[c];
+      for (int64_t i = c * kChunk; i < (c + 1) * kChunk; ++i) last_nonzero = probs[i] > 0.f ? i : last_nonzero;
+      continue;
+    }
+    const int64_t end = (c + 1) * kChunk < vocab ? (c + 1) * kChunk : vocab;
+    for (int64_t i = c * kChunk; i < end; ++i) {
+      if (probs[i] <= 0.f) continue;
+      running += probs[i];
+      last_nonzero = i;
+      if (running > target) return i;
+    }
+  }
+  return last_nonzero;  // rounding left the target at the very top: the last token with any mass
+}
+
+}  // namespace
+
+extern "C" {
+
+// logits [rows, vocab] fp32 contiguous; per row inv_temp, min_p, a uniform in [0, 1); writes the token and
+// max / T + log(total). Returns 0, or 2 where a row has no finite logit.
+int pagedserve_sample(const float* logits, const float* inv_temps, const float* min_ps, const double* uniforms,
+                      int64_t* tokens, float* lse, int64_t rows, int64_t vocab) {
+  std::vector<float> probs(vocab);
+  std::vector<double> sums((vocab + kChunk - 1) / kChunk);
+  int status = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float row_max = row_probs(logits + r * vocab, vocab, inv_temps[r], min_ps[r], probs.data(), sums.data());
+    double total = 0.0;
+    for (double s : sums) total += s;
+    if (!(row_max > -INFINITY) || total <= 0.0) {
+      tokens[r] = 0;
+      lse[r] = NAN;
+      status = 2;
+      continue;
+    }
+    tokens[r] = search(probs.data(), sums.data(), vocab, uniforms[r] * total);
+    lse[r] = static_cast<float>(row_max * inv_temps[r] + std::log(total));
+  }
+  return status;
+}
+
+// The log-sum-exp of each fp32 row (for greedy rows' logprobs), one exp pass per row.
+int pagedserve_logsumexp(const float* logits, float* lse, int64_t rows, int64_t vocab) {
+  std::vector<float> probs(vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = logits + r * vocab;
+    float row_max = -INFINITY;
+    for (int64_t i = 0; i < vocab; ++i) row_max = row[i] > row_max ? row[i] : row_max;
+    if (!(row_max > -INFINITY)) {
+      lse[r] = row_max;
+      continue;
+    }
+    for (int64_t i = 0; i < vocab; ++i) probs[i] = row[i] == -INFINITY ? 0.f : pagedserve::fast_exp(row[i] - row_max);
+    double total = 0.0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < vocab; ++i) total += probs[i];
+    lse[r] = static_cast<float>(row_max + std::log(total));
+  }
+  return 0;
+}
+
+// bf16 -> fp32 widening of n contiguous values (the logits), exact.
+int pagedserve_bf16_to_float(const void* src, float* dst, int64_t n) {
+  const uint16_t* in = static_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = pagedserve::bf16_to_float(in[i]);
+  return 0;
+}
+
+}  // extern "C"
