@@ -22,10 +22,10 @@ def draft(model, k: int) -> dict:
 
 
 def assert_self_draft_agrees_and_all_free(engine) -> None:
-    """The target as its own draft: (nearly) every draft is accepted, which only a draft KV cache holding the
+    """The target as its own draft, greedy: every draft is accepted, which only a draft KV cache holding the
     target's tokens gives; both caches' blocks are free again."""
     stats = engine.get_stats()
-    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
     assert_speculated_and_all_free(engine)
 
 
@@ -54,8 +54,9 @@ def test_greedy_equals_transformers_and_no_speculation(tiny_llama_path, baseline
 def test_another_draft_model_leaves_greedy_tokens_unchanged(tiny_llama_path, other_draft, baseline, k):
     engine = cpu_engine(tiny_llama_path, **SETTINGS, speculative_config=draft(other_draft, k))
     assert_same(run(engine, PROMPTS, greedy(40)), baseline)
-    stats = engine.get_stats()  # a random draft rarely agrees: every draft may be rejected
-    assert stats.spec_decode_num_draft_tokens > 0 and stats.num_free_blocks == stats.num_blocks
+    stats = engine.get_stats()  # a random draft rarely agrees: the rejection path is what this test runs
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 @pytest.mark.parametrize("settings", [{"max_num_batched_tokens": 7}, {"num_blocks": 26}],
@@ -78,7 +79,7 @@ def test_prefix_hits_n_and_stop_strings(tiny_llama_path, baseline):
     after = engine.get_stats()
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 40
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    assert accepted >= 0.9 * (after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens) > 0
+    assert accepted == after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens > 0
     # Seeded n = 3 (its greedy drafts accepted only where the draw agrees) and a stop string.
     text = baseline["r1"].text
     prompts = [PROMPTS[1], PROMPTS[2]]
