@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+from transformers import AutoTokenizer
+
 from pagedserve.client.openai.formats import SSE_DONE, sse_event
 from pagedserve.client.openai.generation import Generation
-from pagedserve.client.openai.protocol import parse_chat_request, parse_completion_request
+from pagedserve.client.openai.protocol import parse_completion_request
 from pagedserve.client.openai.serving_chat import ChatGeneration
 from pagedserve.client.openai.serving_completion import CompletionGeneration
 from pagedserve.client.openai.shim import OpenAIShim, ShimSettings
 from pagedserve.client.triton_client import LLMResponse
+from pagedserve.testing import build_tokenizer, copy_with_bos_tokenizer, copy_with_tool_template
 
 
 def _completion(**fields) -> dict:
@@ -40,8 +44,20 @@ def _completion_generation(request) -> CompletionGeneration:
     return CompletionGeneration(OpenAIShim(ShimSettings()), request)
 
 
-def _chat_generation(request) -> ChatGeneration:
-    return ChatGeneration(OpenAIShim(ShimSettings()), request)
+@pytest.fixture(scope="module")
+def chat_folders(tmp_path_factory) -> dict[str, str]:
+    """Tokenizer folders: one whose template starts with a BOS the tokenizer also adds (as Llama's does),
+    one with the Hermes-style tool template."""
+    plain = tmp_path_factory.mktemp("plain")
+    build_tokenizer().save_pretrained(plain)
+    root = tmp_path_factory.mktemp("chat")
+    return {"bos": str(copy_with_bos_tokenizer(plain, root / "bos")),
+            "tools": str(copy_with_tool_template(plain, root / "tools"))}
+
+
+def _chat_generation(folder: str, body: dict) -> ChatGeneration:
+    """A chat answer as the shim makes one: its messages rendered with `folder`'s template."""
+    return asyncio.run(ChatGeneration.create(OpenAIShim(ShimSettings(model_name="m", model_path=folder)), body))
 
 
 def _events(generation: Generation, stream) -> list[dict | str]:
@@ -80,11 +96,10 @@ def test_streamed_completion_chunks_carry_deltas_then_usage_then_done():
     assert text == {0: "Hello", 1: "Wo"} and sorted(finish) == [(0, "stop"), (1, "length")]
 
 
-def test_streamed_chat_starts_with_role_and_ends_with_empty_delta_finish():
-    request = parse_chat_request(_chat(stream=True))
-    request.prompts = ["<prompt>"]
+def test_streamed_chat_starts_with_role_and_ends_with_empty_delta_finish(chat_folders):
+    generation = _chat_generation(chat_folders["bos"], _chat(stream=True))
     stream = _responses((0, LLMResponse(["Hi"], [None], 2, [1])), (0, LLMResponse([" you"], ["stop"], 2, [2])))
-    events = _events(_chat_generation(request), stream)
+    events = _events(generation, stream)
     assert events[-1] == "[DONE]"
     deltas = [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events[:-1]]
     assert deltas == [
@@ -110,13 +125,12 @@ def test_non_streamed_completion_echoes_prompt_and_sums_usage_over_prompts():
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
 
 
-def test_chat_logprobs_have_openai_shape():
-    request = parse_chat_request(_chat(logprobs=True, top_logprobs=1))
-    request.prompts = ["p"]
+def test_chat_logprobs_have_openai_shape(chat_folders):
+    generation = _chat_generation(chat_folders["bos"], _chat(logprobs=True, top_logprobs=1))
     entry = {"token_id": 5, "token": "é", "logprob": -0.5,
              "top_logprobs": [{"token_id": 5, "token": "é", "logprob": -0.5}, {"token_id": 6, "token": "a", "logprob": -1.0}]}
     stream = _responses((0, LLMResponse(["é"], ["length"], 1, [1], logprobs=[[entry]])))
-    body = asyncio.run(_chat_generation(request).run(stream))
+    body = asyncio.run(generation.run(stream))
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": "é", "refusal": None}
     assert choice["logprobs"]["content"] == [
@@ -136,19 +150,37 @@ def test_completion_logprobs_have_legacy_shape_with_text_offsets():
     }
 
 
-def test_chat_prompt_is_sent_without_special_tokens():
+_CONVERSATION = [
+    {"role": "system", "content": "Answer in one line."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello! How are you?"},
+    {"role": "user", "content": "Fine, and you? Café ✓"},
+]
+_WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize(("folder", "extra"), [("bos", {}), ("tools", {"tools": [_WEATHER_TOOL], "tool_choice": "required"})],
+                         ids=["bos-template", "tool-template"])
+def test_the_llm_gets_the_tokenizers_own_rendered_chat_without_special_tokens(chat_folders, folder, extra):
     sent = []
 
     class RecordingClient:
         def generate(self, prompt, **kwargs):
             sent.append((prompt, kwargs["add_special_tokens"]))
 
-    shim = OpenAIShim(ShimSettings())
-    shim._client = RecordingClient()
-    request = parse_chat_request(_chat())
-    request.prompts = ["<bos>rendered"]
-    shim.triton_streams(request, "id")
-    assert sent == [("<bos>rendered", False)]
+    generation = _chat_generation(chat_folders[folder], _chat(messages=_CONVERSATION, **extra))
+    generation.shim._client = RecordingClient()
+    generation.shim.triton_streams(generation.request, "id")
+    tokenizer = AutoTokenizer.from_pretrained(chat_folders[folder])
+    want = tokenizer.apply_chat_template(_CONVERSATION, tools=extra.get("tools"), tokenize=False,
+                                         add_generation_prompt=True)
+    assert sent == [(want, False)]
+    # Tokenized as the llm model tokenizes it (no special tokens added), it is the template's own ids: one BOS.
+    want_ids = tokenizer.apply_chat_template(_CONVERSATION, tools=extra.get("tools"), add_generation_prompt=True,
+                                             return_dict=False)
+    assert tokenizer(want, add_special_tokens=False).input_ids == want_ids
 
 
 _PROMPT_ENTRIES = [
@@ -212,15 +244,14 @@ def _failing_after(item: tuple[int, LLMResponse], error: Exception):
     return stream()
 
 
-def test_an_llm_error_mid_stream_is_an_error_event_naming_the_param_the_request_used():
+def test_an_llm_error_mid_stream_is_an_error_event_naming_the_param_the_request_used(chat_folders):
     from pagedserve.backend.core.errors import InvalidRequestError, to_wire
     from pagedserve.client.triton_client import TritonRequestError
 
-    request = parse_chat_request(_chat(stream=True, max_completion_tokens=50))
-    request.prompts = ["p"]
+    generation = _chat_generation(chat_folders["bos"], _chat(stream=True, max_completion_tokens=50))
     refusal = InvalidRequestError("prompt (12 tokens) + max_tokens (50) must be <= max_model_len (40)", "max_tokens")
     stream = _failing_after((0, LLMResponse(["Hi"], [None], 12, [1])), TritonRequestError(to_wire(refusal)))
-    events = _events(_chat_generation(request), stream)
+    events = _events(generation, stream)
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "max_completion_tokens")
