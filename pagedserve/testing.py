@@ -145,16 +145,9 @@ def make_tiny_model(
         raise ValueError(f"arch must be one of {sorted(_ARCHITECTURES)}, got {arch!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(path)
-    _ensure_chat_template_in_config(path)
-    eos_id, eot_id, bos_id = (tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, END_OF_TEXT, BOS_TOKEN))
-    rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
-    if rope_scaling:
-        rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
     config_cls_name, model_cls_name = _ARCHITECTURES[arch]
     settings = dict(
-        vocab_size=len(tokenizer),
+        **_write_tokenizer(path),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -163,10 +156,7 @@ def make_tiny_model(
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_word_embeddings,
-        rope_parameters=rope_parameters,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eot_id,
+        rope_parameters={**(rope_scaling or {"rope_type": "default"}), "rope_theta": rope_theta},
     )
     settings.update({**_ARCH_EXTRAS.get(arch, {}), **(config_extras or {})})
     config = getattr(transformers, config_cls_name)(**settings)
@@ -174,16 +164,28 @@ def make_tiny_model(
     model = getattr(transformers, model_cls_name)(config)
     _widen_init(model, random_norms)
     model.to(getattr(torch, dtype))
-    _save(model, path, bos_id, eos_id, eot_id, max_shard_size)
+    _save(model, path, max_shard_size)
     return path
 
 
-def _save(model: Any, path: Path, bos_id: int, eos_id: int, eot_id: int, max_shard_size: str | None) -> None:
-    """Write the weights (sharded when `max_shard_size` is given) and a generation config ending on eos or eot."""
+def _write_tokenizer(path: Path) -> dict[str, int]:
+    """Save the tiny tokenizer and its chat template to `path`; returns the config fields it decides."""
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(path)
+    _ensure_chat_template_in_config(path)
+    bos_id, eos_id, eot_id = (tokenizer.convert_tokens_to_ids(t) for t in (BOS_TOKEN, EOS_TOKEN, END_OF_TEXT))
+    return {"vocab_size": len(tokenizer), "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eot_id}
+
+
+def _save(model: Any, path: Path, max_shard_size: str | None) -> None:
+    """Write the weights (sharded when `max_shard_size` is given) and a generation config ending on eos or
+    the end-of-text (pad) token, as the model config names them."""
     import transformers
 
+    config = model.config
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=bos_id, eos_token_id=[eos_id, eot_id], pad_token_id=eot_id
+        bos_token_id=config.bos_token_id, eos_token_id=[config.eos_token_id, config.pad_token_id],
+        pad_token_id=config.pad_token_id,
     )
     kwargs: dict[str, Any] = {"safe_serialization": True}
     if max_shard_size:
