@@ -1,11 +1,14 @@
-"""Validated configuration dataclasses for the cache, the scheduler and the model."""
+"""Validated configuration dataclasses for the cache, the scheduler and the model. Each field made with `param`
+is an engine parameter: its type, default, help and choices are the one source `core/parameters.py` lists for
+from_pretrained's options, the llm model's config.pbtxt parameters and `pagedserve serve`'s flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from pagedserve.backend.core.errors import InvalidRequestError, json_object
+from pagedserve.backend.core.errors import ConfigError, json_object
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -14,29 +17,34 @@ MAX_BLOCK_SIZE = 256
 MAX_TENSOR_PARALLEL_SIZE = 64
 
 
+def param(default: object, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field that is an engine parameter, with the help text and choices its flag and docs show."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
-    """Raise InvalidRequestError unless `value` is an int (not bool) in [low, high]."""
+    """Raise ConfigError unless `value` is an int (not bool) in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an int, got {type(value).__name__}", name)
+        raise ConfigError(f"{name} must be an int, got {type(value).__name__}", name)
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise InvalidRequestError(f"{name} must be {bound}, got {value}", name)
+        raise ConfigError(f"{name} must be {bound}, got {value}", name)
 
 
 @dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache layout; the number of blocks comes from a memory budget unless fixed."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
+    block_size: int = param(16, "tokens per KV block (a power of two)")
+    num_blocks: int | None = param(None, "fix the number of KV blocks (default: from the memory budget)")
+    kv_cache_memory_bytes: int | None = param(None, "KV-cache budget in bytes (default: 1 GiB on the CPU)")
+    gpu_memory_utilization: float = param(0.9, "fraction of free GPU memory for the KV cache when no budget is given")
+    enable_prefix_caching: bool = param(True, "share the KV of identical full prompt blocks")
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         if self.block_size & (self.block_size - 1):
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {self.block_size}",
                 "block_size",
             )
@@ -46,11 +54,11 @@ class CacheConfig:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {util!r}", "gpu_memory_utilization"
             )
         if not isinstance(self.enable_prefix_caching, bool):
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}",
                 "enable_prefix_caching",
             )
@@ -62,11 +70,12 @@ class SchedulerConfig:
     waiting requests are admitted in: "fcfs" (arrival), or "priority" (vLLM's: lower `priority` first,
     arrival within a level, and a waiting request may preempt running ones of a lower priority)."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    max_num_waiting: int = 4096
-    scheduling_policy: str = "fcfs"
+    max_num_seqs: int = param(256, "sequences in one step (a request of n > 1 counts n)")
+    max_num_batched_tokens: int = param(2048, "token budget of one step (prefill chunks + decodes)")
+    max_model_len: int = param(2048, "longest prompt + output (from_pretrained: the model's max_position_embeddings)")
+    max_num_waiting: int = param(4096, "requests that may wait beyond the free running slots before UNAVAILABLE")
+    scheduling_policy: str = param("fcfs", "fcfs: arrival order; priority: each request's priority, lower first",
+                                   SCHEDULING_POLICIES)
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -74,7 +83,7 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 1)
         _check_int("max_num_waiting", self.max_num_waiting, 1)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
                 "scheduling_policy",
             )
@@ -84,27 +93,30 @@ class SchedulerConfig:
 class ModelConfig:
     """Which model to load, in which dtype, on which device, with its projections quantized or not."""
 
-    model: str
-    dtype: str = "auto"
-    quantization: str = "none"
-    device: str = "auto"
-    seed: int = 0
-    cpu_threads: int | None = None  # torch intra-op threads on the CPU; None keeps torch's default
-    tensor_parallel_size: int = 1  # ranks the model is split over (pagedserve/backend/worker/parallel.py)
+    model: str  # from_pretrained's first argument and the llm model's `model` parameter, not an option
+    dtype: str = param("auto", "the weights' and activations' dtype (auto: the checkpoint's)", _DTYPES)
+    quantization: str = param("none", "quantize the projections at load: int8 per channel or int4 in groups",
+                              QUANTIZATIONS)
+    device: str = param("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
+    seed: int = param(0, "engine seed (a request's seed overrides it)")
+    cpu_threads: int | None = param(None, "torch intra-op threads on the CPU (default: torch's)")
+    # ranks the model is split over (pagedserve/backend/worker/parallel.py)
+    tensor_parallel_size: int = param(1, "split the model over N ranks (N - 1 worker processes; gloo on the CPU, "
+                                         "NCCL on GPUs)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise InvalidRequestError("model must be a non-empty string", "model")
+            raise ConfigError("model must be a non-empty string", "model")
         if self.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}", "dtype")
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}", "dtype")
         if self.quantization not in QUANTIZATIONS:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}", "quantization")
         device = self.device
         if not isinstance(device, str) or not (
             device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
         ):
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}", "device"
             )
         _check_int("seed", self.seed, 0, 2**63 - 1)
@@ -121,27 +133,25 @@ class LoRAConfig:
     """Multi-LoRA serving: `max_loras` adapters resident in the model's slots at once (the most one step
     mixes), ranks up to `max_lora_rank`, `max_cpu_loras` adapters kept in host memory (default: max_loras)."""
 
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
+    enable_lora: bool = param(False, "serve LoRA adapters (ones listed at start and ones loaded at run time)")
+    max_loras: int = param(1, "adapters resident for the batch at once")
+    max_lora_rank: int = param(16, "the largest adapter rank served")
+    max_cpu_loras: int | None = param(None, "adapters kept in CPU memory at once (default: max_loras)")
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_lora, bool):
-            raise InvalidRequestError(f"enable_lora must be a bool, got {self.enable_lora!r}", "enable_lora")
+            raise ConfigError(f"enable_lora must be a bool, got {self.enable_lora!r}", "enable_lora")
         _check_int("max_loras", self.max_loras, 1, 256)
         _check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK)
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         _check_int("max_cpu_loras", self.max_cpu_loras, 1)
         if self.max_cpu_loras < self.max_loras:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})", "max_cpu_loras")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-_SPECULATIVE_KEYS = (
-    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "model")
 
 
 @dataclass(slots=True)
@@ -160,7 +170,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
                 "speculative_config.method",
             )
@@ -176,7 +186,7 @@ class SpeculativeConfig:
         self.prompt_lookup_min = self.prompt_lookup_min or self.prompt_lookup_max
         self.prompt_lookup_max = self.prompt_lookup_max or self.prompt_lookup_min
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                 f"prompt_lookup_max ({self.prompt_lookup_max})",
                 "speculative_config.prompt_lookup_min",
@@ -186,12 +196,12 @@ class SpeculativeConfig:
         """A draft model is a folder, given with method draft_model only."""
         if self.method != "draft_model":
             if self.model is not None:
-                raise InvalidRequestError(
+                raise ConfigError(
                     f"speculative_config.model is for method 'draft_model', not {self.method!r}",
                     "speculative_config.model")
             return
         if not isinstance(self.model, str) or not Path(self.model).is_dir():
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"speculative_config.model must be a model folder for method 'draft_model', got {self.model!r}",
                 "speculative_config.model")
 
@@ -200,14 +210,15 @@ class SpeculativeConfig:
         """None (speculation off), a dict with vLLM's keys, or its JSON text (a Triton parameter, a CLI flag)."""
         if value is None or value == "" or value == {}:
             return None
-        value = json_object(value, "speculative_config")
-        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        value = json_object(value, "speculative_config", ConfigError)
+        keys = [item.name for item in fields(cls)]
+        unknown = sorted(set(value) - set(keys))
         if unknown:
-            raise InvalidRequestError(
-                f"speculative_config has unknown keys {unknown}; allowed: {', '.join(_SPECULATIVE_KEYS)}",
+            raise ConfigError(
+                f"speculative_config has unknown keys {unknown}; allowed: {', '.join(keys)}",
                 f"speculative_config.{unknown[0]}",
             )
         if "num_speculative_tokens" not in value:
-            raise InvalidRequestError(
+            raise ConfigError(
                 "speculative_config.num_speculative_tokens is required", "speculative_config.num_speculative_tokens")
         return cls(**value)

@@ -30,6 +30,12 @@ class InvalidRequestError(PagedServeError, ValueError):
         self.field = field
 
 
+class ConfigError(InvalidRequestError):
+    """A bad engine setting (a config field, a from_pretrained option, an llm config.pbtxt parameter); `field`
+    names it. It is an invalid argument to whoever gave it, so it reads as one on the wire (kind
+    invalid_argument, the field in the tag); at model load it fails the load, its message naming the field."""
+
+
 class ServerBusyError(PagedServeError):
     """The waiting queue is full (UNAVAILABLE / HTTP 503); the client may retry later."""
 
@@ -125,13 +131,13 @@ def from_wire(text: str) -> WireError | None:
     return WireError(kind, text[: match.start()], field)
 
 
-def json_object(value: object, name: str) -> dict:
-    """`value` as a JSON object: a dict as it is, a str parsed; anything else refused naming `name`."""
+def json_object(value: object, name: str, error: type[InvalidRequestError] = InvalidRequestError) -> dict:
+    """`value` as a JSON object: a dict as it is, a str parsed; anything else refused with `error` naming `name`."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise InvalidRequestError(f"{name} is not valid JSON: {error}", name) from None
+        except json.JSONDecodeError as reason:
+            raise error(f"{name} is not valid JSON: {reason}", name) from None
     if not isinstance(value, dict):
-        raise InvalidRequestError(f"{name} must be a JSON object, got {type(value).__name__}", name)
+        raise error(f"{name} must be a JSON object, got {type(value).__name__}", name)
     return value

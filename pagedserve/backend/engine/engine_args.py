@@ -12,29 +12,16 @@ from pagedserve.backend.core.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.errors import ConfigError
+from pagedserve.backend.core.parameters import ENGINE_CONFIGS, engine_parameters
 from pagedserve.backend.model import ModelArchConfig
 
+# Each config's options, and the options that are not a config's field (speculative_config: dict or JSON,
+# lora_modules: name -> folder), both from the engine's parameter list (core/parameters.py).
 CONFIG_FIELDS: dict[type, tuple[str, ...]] = {
-    ModelConfig: ("dtype", "quantization", "device", "seed", "cpu_threads", "tensor_parallel_size"),
-    CacheConfig: (
-        "block_size",
-        "num_blocks",
-        "kv_cache_memory_bytes",
-        "gpu_memory_utilization",
-        "enable_prefix_caching",
-    ),
-    SchedulerConfig: (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "max_num_waiting",
-        "scheduling_policy",
-    ),
-    LoRAConfig: ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"),
+    config: tuple(p.name for p in engine_parameters() if p.config is config and p.is_field) for config in ENGINE_CONFIGS
 }
-# Options that are not a config's field: speculative_config (dict or JSON), lora_modules (name -> folder).
-OTHER_OPTIONS = ("speculative_config", "lora_modules")
+OTHER_OPTIONS = tuple(p.name for p in engine_parameters() if not p.is_field)
 
 
 @dataclass(slots=True)
@@ -56,7 +43,7 @@ def engine_args(model: str, options: dict[str, Any]) -> EngineArgs:
     known = {name for names in CONFIG_FIELDS.values() for name in names} | set(OTHER_OPTIONS)
     for key in options:
         if key not in known:
-            raise InvalidRequestError(f"unknown engine option {key!r}; allowed: {', '.join(sorted(known))}", key)
+            raise ConfigError(f"unknown engine option {key!r}; allowed: {', '.join(sorted(known))}", key)
     speculative_config = SpeculativeConfig.from_value(options.pop("speculative_config", None))
     lora_modules = options.pop("lora_modules", None)
     if "max_model_len" not in options:

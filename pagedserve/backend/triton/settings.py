@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.backend.core.config import QUANTIZATIONS, SCHEDULING_POLICIES
+from pagedserve.backend.core.errors import ConfigError
+from pagedserve.backend.core.parameters import EngineParameter, triton_parameters
 
 # Cancellation is polled at most once per step (an aborted request can only leave between steps), and never
 # more than CANCEL_POLLS_PER_SECOND round trips a second: each is_cancelled() costs both processes CPU.
@@ -45,13 +46,8 @@ HEALTH_URL_ENV = "PAGEDSERVE_TRITON_READY_URL"
 
 LORA_RUNTIME_UPDATES_PARAMETER = "enable_lora_runtime_updates"
 
-_INT_PARAMETERS = ("block_size", "num_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-                   "max_model_len", "max_num_waiting", "seed", "cpu_threads", "max_loras", "max_lora_rank",
-                   "max_cpu_loras", "tensor_parallel_size")
-_FLOAT_PARAMETERS = ("gpu_memory_utilization",)
-_BOOL_PARAMETERS = ("enable_prefix_caching", "enable_lora")
-_STRING_PARAMETERS = ("dtype", "device", "speculative_config")  # speculative_config: JSON the engine checks
-_CHOICE_PARAMETERS = {"scheduling_policy": SCHEDULING_POLICIES, "quantization": QUANTIZATIONS}
+# The engine's parameters the llm model reads, by name (core/parameters.py lists them from the configs).
+_ENGINE_PARAMETERS: dict[str, EngineParameter] = {parameter.name: parameter for parameter in triton_parameters()}
 
 
 def _bool_value(raw: str) -> bool:
@@ -61,32 +57,34 @@ def _bool_value(raw: str) -> bool:
     return raw.lower() in ("true", "1")
 
 
-def _engine_value(key: str, raw: str) -> Any:
-    """One engine parameter's value from its config.pbtxt string; ValueError when it does not parse."""
-    if key in _INT_PARAMETERS:
+def _engine_value(parameter: EngineParameter, raw: str) -> Any:
+    """One engine parameter's value from its config.pbtxt string (JSON stays text the engine checks); ValueError
+    when it does not parse."""
+    if parameter.type is int:
         return int(raw)
-    if key in _FLOAT_PARAMETERS:
+    if parameter.type is float:
         return float(raw)
-    if key in _BOOL_PARAMETERS:
+    if parameter.type is bool:
         return _bool_value(raw)
-    if key in _CHOICE_PARAMETERS and raw not in _CHOICE_PARAMETERS[key]:
+    if parameter.choices is not None and raw not in parameter.choices:
         raise ValueError(raw)
     return raw
 
 
 def engine_arguments(parameters: dict[str, dict]) -> tuple[str, dict[str, Any]]:
-    """(model path, LLMEngine.from_pretrained kwargs) from config.pbtxt `parameters`; "" keeps a default."""
+    """(model path, LLMEngine.from_pretrained kwargs) from config.pbtxt `parameters`; "" keeps a default.
+    A value that does not parse is a ConfigError naming the parameter."""
     values = {key: entry.get("string_value", "").strip() for key, entry in parameters.items()}
     kwargs: dict[str, Any] = {}
-    for key in (*_INT_PARAMETERS, *_FLOAT_PARAMETERS, *_BOOL_PARAMETERS, *_STRING_PARAMETERS, *_CHOICE_PARAMETERS):
+    for key, parameter in _ENGINE_PARAMETERS.items():
         raw = values.get(key, "")
         if not raw:
             continue
         try:
-            kwargs[key] = _engine_value(key, raw)
+            kwargs[key] = _engine_value(parameter, raw)
         except ValueError:
-            allowed = f" (one of {', '.join(_CHOICE_PARAMETERS[key])})" if key in _CHOICE_PARAMETERS else ""
-            raise ValueError(f"config.pbtxt parameter {key} has a bad value {raw!r}{allowed}") from None
+            allowed = f" (one of {', '.join(parameter.choices)})" if parameter.choices else ""
+            raise ConfigError(f"config.pbtxt parameter {key} has a bad value {raw!r}{allowed}", key) from None
     return values.get("model", ""), kwargs
 
 
