@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.backend.core.config import QUANTIZATIONS
+from pagedserve.client.engine_flags import add_engine_arguments, engine_flag_parameters
 from pagedserve.client.lora_options import add_lora_arguments, lora_modules, lora_parameters, lora_shim_flags
 from pagedserve.client.metrics_text import fetch_metrics, instance_metrics, model_metric  # noqa: F401 - callers' names
 from pagedserve.client.model_repository import (  # noqa: F401 - launcher's names for its callers
@@ -384,16 +384,10 @@ def _stop_process_group(proc: subprocess.Popen | None, timeout: float = 10.0) ->
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `serve` options."""
     parser.add_argument("--model", help="model directory (safetensors + tokenizer); default: SmolLM2-135M-Instruct")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="quantize the model's projections at load: int8 per channel or int4 in groups")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculative decoding, vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 3}')
     parser.add_argument("--instances", type=int, default=None, metavar="N",
                         help="llm model instances (engines; on the CPU they split the cores and the KV budget)")
     parser.add_argument("--instance-kind", choices=INSTANCE_KINDS, default=None,
                         help="with --instances: cpu, gpu (N per GPU, each on its own device) or model")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                        help="split the model over N ranks (N - 1 worker processes; gloo on the CPU, NCCL on GPUs)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--http-port", type=int, default=HTTP_PORT)
     parser.add_argument("--grpc-port", type=int, default=GRPC_PORT)
@@ -416,6 +410,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
+    add_engine_arguments(parser.add_argument_group("engine parameters (the llm model's config.pbtxt parameters)"))
     add_lora_arguments(parser)
 
 
@@ -428,7 +423,7 @@ def llm_instances(args: argparse.Namespace) -> tuple[int, str | None] | None:
 
 def tensor_parallel_parameters(args: argparse.Namespace) -> dict[str, str]:
     """The llm model's tensor_parallel_size parameter from --tensor-parallel-size; {} when not given."""
-    return {} if args.tensor_parallel_size is None else {"tensor_parallel_size": str(args.tensor_parallel_size)}
+    return engine_flag_parameters(args, ("tensor_parallel_size",))
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
@@ -438,11 +433,7 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serve until Ctrl-C / SIGTERM or until tritonserver exits; returns the exit status."""
     params = _parse_params(args.param)
-    if args.quantization is not None:
-        params["quantization"] = args.quantization
-    if args.speculative_config is not None:
-        params["speculative_config"] = args.speculative_config  # checked by the engine at load
-    params.update(tensor_parallel_parameters(args))
+    params.update(engine_flag_parameters(args))  # checked by the engine at load
     params.update(lora_parameters(args))
     model = args.model
     if model is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pagedserve.backend.worker.default_model import MODEL_NAME as DEFAULT_MODEL_NAME
+from pagedserve.client.engine_flags import LORA_PARAMETERS, add_engine_arguments
 
 # An adapter name is a model name of the OpenAI API: no whitespace, no quote that would break a config.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]*")
@@ -73,11 +74,7 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="NAME=PATH", help="serve the PEFT adapter in folder PATH as model NAME (repeatable, "
                        "or several after one flag as vLLM's --lora-modules; turns LoRA on); or vLLM's JSON form "
                        "'{\"name\": NAME, \"path\": PATH, \"base_model_name\": BASE}'")
-    group.add_argument("--enable-lora", action="store_true",
-                       help="serve LoRA adapters even with no --lora (ones loaded at run time)")
-    group.add_argument("--max-loras", type=int, default=None, help="adapters resident for the batch at once")
-    group.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank served")
-    group.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in CPU memory at once")
+    add_engine_arguments(group, LORA_PARAMETERS)  # --enable-lora (even with no --lora), --max-loras, ...
     group.add_argument("--enable-lora-runtime-updates", action="store_true",
                        help="load and unload adapters at run time (the shim's /v1/load_lora_adapter and "
                             "/v1/unload_lora_adapter, the llm model's lora_control; vLLM's "
