@@ -46,9 +46,6 @@ HEALTH_URL_ENV = "PAGEDSERVE_TRITON_READY_URL"
 
 LORA_RUNTIME_UPDATES_PARAMETER = "enable_lora_runtime_updates"
 
-# The engine's parameters the llm model reads, by name (core/parameters.py lists them from the configs).
-_ENGINE_PARAMETERS: dict[str, EngineParameter] = {parameter.name: parameter for parameter in triton_parameters()}
-
 
 def _bool_value(raw: str) -> bool:
     """A config.pbtxt boolean ("true"/"false"/"1"/"0", any case); ValueError otherwise."""
@@ -72,11 +69,12 @@ def _engine_value(parameter: EngineParameter, raw: str) -> Any:
 
 
 def engine_arguments(parameters: dict[str, dict]) -> tuple[str, dict[str, Any]]:
-    """(model path, LLMEngine.from_pretrained kwargs) from config.pbtxt `parameters`; "" keeps a default.
-    A value that does not parse is a ConfigError naming the parameter."""
+    """(model path, LLMEngine.from_pretrained kwargs) from config.pbtxt `parameters`, for the engine parameters
+    core/parameters.py lists; "" keeps a default. A value that does not parse is a ConfigError naming it."""
     values = {key: entry.get("string_value", "").strip() for key, entry in parameters.items()}
     kwargs: dict[str, Any] = {}
-    for key, parameter in _ENGINE_PARAMETERS.items():
+    for parameter in triton_parameters():
+        key = parameter.name
         raw = values.get(key, "")
         if not raw:
             continue
