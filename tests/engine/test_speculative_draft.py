@@ -5,10 +5,10 @@ steps are cut, and the KV blocks of both caches come back."""
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
-
 from pagedserve.testing import make_tiny_model
 from tests.engine.test_speculative import PROMPTS, assert_same, assert_speculated_and_all_free, run
 from tests.engine.test_speculative_sampled import all_outputs
