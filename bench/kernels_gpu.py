@@ -343,7 +343,7 @@ def engine_throughput(device: torch.device, dry: bool, model: str | None, workdi
     # The interpreter emulates bf16 bit by bit, far too slowly for a whole model: the dry run uses fp32.
     dtype = "float32" if dry else "bfloat16"
     if model is None and not dry:
-        from pagedserve.backend.worker.default_model import default_model_dir, is_prepared
+        from pagedserve.backend.model.default_model import default_model_dir, is_prepared
 
         candidate = default_model_dir()
         if is_prepared(candidate):

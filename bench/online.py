@@ -223,7 +223,7 @@ def main() -> int:
         return 0
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.model is None:
-        from pagedserve.backend.worker.default_model import ensure_default_model
+        from pagedserve.backend.model.default_model import ensure_default_model
 
         args.model = str(ensure_default_model())
     args.param = [f"dtype={args.dtype}", f"max_model_len={args.max_model_len}", *args.param]

@@ -31,7 +31,7 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicy
 
 def variants() -> dict[str, tuple[str, dict]]:
     """name -> (model path, from_pretrained settings)."""
-    from pagedserve.backend.worker.default_model import ensure_default_model, find_gguf
+    from pagedserve.backend.model.default_model import ensure_default_model, find_gguf
 
     folder = ensure_default_model()
     return {
@@ -98,8 +98,9 @@ def run_llama_cpp(new_tokens: int, concurrencies: list[int]) -> dict:
     import tempfile
 
     import llamacpp_peer
+
+    from pagedserve.backend.model.default_model import find_gguf
     from pagedserve.backend.model.loader import load_tokenizer
-    from pagedserve.backend.worker.default_model import find_gguf
 
     gguf = str(find_gguf())
     tokenizer = load_tokenizer(gguf)

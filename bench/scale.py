@@ -152,7 +152,7 @@ def main() -> int:
         model = str(make_tiny_model(Path(tempfile.mkdtemp(prefix="pagedserve-scale-model-")), "llama",
                                     **RANDOM_MODEL))
     elif model is None:
-        from pagedserve.backend.worker.default_model import ensure_default_model
+        from pagedserve.backend.model.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     common = dict(item.split("=", 1) for item in args.param)

@@ -387,7 +387,7 @@ def _model_folder(args: argparse.Namespace, work: Path) -> str:
         return str(make_tiny_model(work / "tiny", "llama"))
     if args.model:
         return str(Path(args.model).resolve())
-    from pagedserve.backend.worker.default_model import ensure_default_model
+    from pagedserve.backend.model.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

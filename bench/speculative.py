@@ -152,7 +152,7 @@ def main() -> None:
     concurrency = CONCURRENCY[:2] if args.quick else CONCURRENCY
     max_tokens = 24 if args.quick else args.max_tokens
     from pagedserve.backend.engine.llm_engine import LLMEngine
-    from pagedserve.backend.worker.default_model import ensure_default_model
+    from pagedserve.backend.model.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,

@@ -162,6 +162,7 @@ def time_mask(structured: Any, grammar: Any, token_ids: list[int], rows: int, vo
     fp32 logits, and apart: the bitmask fill (xgrammar), the control-byte ban, the masking, accept_token; and
     xgrammar's own CPU masking of the same bitmask, for comparison."""
     import xgrammar
+
     from pagedserve.backend.worker.grammar_mask import mask_logits
 
     matchers = [structured.matcher(grammar) for _ in range(rows)]
@@ -269,7 +270,7 @@ def run_all(args: argparse.Namespace) -> dict:
     """Compile times first (the engine's compiler is still cold), then throughput, then the mask replay."""
     from pagedserve.backend.core.sampling_params import SamplingParams
     from pagedserve.backend.engine.llm_engine import LLMEngine
-    from pagedserve.backend.worker.default_model import ensure_default_model
+    from pagedserve.backend.model.default_model import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     # No prefix cache: both modes run the same prompts, and the second must not reuse the first's KV.

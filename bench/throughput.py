@@ -273,8 +273,9 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.median_prompt, args.median_output, args.max_len = 32, 32, 32, 128
 
-    from pagedserve.backend.worker.default_model import default_model_dir, ensure_default_model
     from transformers import AutoConfig
+
+    from pagedserve.backend.model.default_model import default_model_dir, ensure_default_model
 
     torch.set_num_threads(args.threads)
     model = args.model or ensure_default_model()

@@ -437,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     params.update(lora_parameters(args))
     model = args.model
     if model is None:
-        from pagedserve.backend.worker.default_model import ensure_default_model
+        from pagedserve.backend.model.default_model import ensure_default_model
 
         model = str(ensure_default_model())
     model = str(Path(model).expanduser().resolve())

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from pagedserve.backend.worker.default_model import MODEL_NAME as DEFAULT_MODEL_NAME
+from pagedserve.backend.model.default_model import MODEL_NAME as DEFAULT_MODEL_NAME
 from pagedserve.client.engine_flags import LORA_PARAMETERS, add_engine_arguments
 
 # An adapter name is a model name of the OpenAI API: no whitespace, no quote that would break a config.

@@ -99,7 +99,7 @@ def tokenizer_folder(model: str | Path) -> Path:
     """The folder a model's tokenizer and chat template are read from: the model folder itself, or for a .gguf
     file (which the llm model serves as it is) a folder made once from the file's metadata."""
     if str(model).endswith(".gguf"):
-        from pagedserve.backend.worker.gguf_tokenizer import tokenizer_dir
+        from pagedserve.backend.model.gguf_tokenizer import tokenizer_dir
 
         return tokenizer_dir(model)
     return Path(model)

@@ -18,9 +18,9 @@ ALLOWED = {
     "backend.model": {"kernels", "pagedserve"},
     "backend.worker": {"backend.core", "backend.model", "kernels", "pagedserve"},
     "backend.engine": {"backend.core", "backend.model", "backend.worker"},
-    "backend.triton": {"backend.core", "backend.engine", "backend.worker"},
+    "backend.triton": {"backend.core", "backend.engine", "backend.model", "backend.worker"},
     "kernels": set(),
-    "client": {"backend.core", "backend.worker", "client.openai"},
+    "client": {"backend.core", "backend.model", "client.openai"},
     "client.openai": {"backend.core", "client"},
 }
 

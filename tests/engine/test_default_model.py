@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from pagedserve.backend.worker import default_model
-from pagedserve.backend.worker.default_model import (
+
+from pagedserve.backend.model import default_model
+from pagedserve.backend.model.default_model import (
     MODEL_NAME,
     default_model_dir,
     ensure_default_model,

@@ -9,13 +9,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear, weight_bytes
 from pagedserve.kernels import quant_linear as ql
-
 from tests.support import tiny_gguf
 from tests.support.engines import cpu_engine
 
@@ -166,7 +166,7 @@ def test_a_k_quant_model_is_refused_at_load_naming_the_tensor(tiny_tied_path, tm
 @pytest.mark.slow
 def test_the_default_model_served_from_its_q4_1_gguf_answers_paris_in_under_half_the_bytes_of_bf16():
     from pagedserve.backend.engine.llm_engine import LLMEngine
-    from pagedserve.backend.worker.default_model import find_gguf
+    from pagedserve.backend.model.default_model import find_gguf
 
     engine = LLMEngine.from_pretrained(str(find_gguf()), device="cpu", kv_cache_memory_bytes=64 << 20)
     model = engine.runner.model

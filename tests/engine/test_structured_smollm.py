@@ -7,6 +7,7 @@ import json
 
 import jsonschema
 import pytest
+
 from pagedserve.backend.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ QUESTION = "What is the capital of France? Answer in JSON with city, country and
 @pytest.fixture(scope="module")
 def smollm_engine():
     from pagedserve.backend.engine.llm_engine import LLMEngine
-    from pagedserve.backend.worker.default_model import ensure_default_model
+    from pagedserve.backend.model.default_model import ensure_default_model
 
     return LLMEngine.from_pretrained(ensure_default_model(), dtype="float32", kv_cache_memory_bytes=64 << 20)
 

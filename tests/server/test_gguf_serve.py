@@ -7,10 +7,10 @@ import json
 
 import openai
 import pytest
-from pagedserve.backend.worker.gguf_tokenizer import tokenizer_dir
-from pagedserve.client.model_repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
 from transformers import AutoTokenizer
 
+from pagedserve.backend.model.gguf_tokenizer import tokenizer_dir
+from pagedserve.client.model_repository import DEFAULT_MODEL_REPOSITORY, prepare_model_repository
 from tests.support import tiny_gguf
 from tests.support.servers import CPU_FP32, triton_running
 
@@ -53,7 +53,7 @@ def test_a_gguf_model_repository_serves_the_file_and_tokenizes_from_its_folder(t
 
 @pytest.mark.slow
 def test_the_default_q4_1_gguf_served_natively_answers_paris_through_the_ensemble_and_the_shim(tmp_path):
-    from pagedserve.backend.worker.default_model import find_gguf
+    from pagedserve.backend.model.default_model import find_gguf
 
     params = {**CPU_FP32, "max_model_len": "512", "kv_cache_memory_bytes": str(64 << 20)}
     with triton_running(find_gguf(), tmp_path, params) as server:

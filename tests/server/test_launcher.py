@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from pagedserve.backend.worker.default_model import ensure_default_model
+
+from pagedserve.backend.model.default_model import ensure_default_model
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     OPENAI_MODULE,
@@ -28,7 +29,6 @@ from pagedserve.client.launcher import (
     layout_backend_dir,
     prepare_model_repository,
 )
-
 from tests.support.servers import RunningTriton
 
 # Everything up to the SIGTERM must happen within this, well inside pytest's 600 s timeout (which leaves

@@ -262,7 +262,7 @@ def load_tokenizer(args: dict) -> Any:
     config = json.loads(args["model_config"])
     path = config.get("parameters", {}).get("tokenizer", {}).get("string_value", "")
     if not path:
-        from pagedserve.backend.worker.default_model import ensure_default_model
+        from pagedserve.backend.model.default_model import ensure_default_model
 
         path = str(ensure_default_model())
     return AutoTokenizer.from_pretrained(path)

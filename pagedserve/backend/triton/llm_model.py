@@ -47,7 +47,7 @@ def _load_engine(model_path: str, engine_kwargs: dict):
     from pagedserve.backend.engine.llm_engine import LLMEngine
 
     if not model_path:
-        from pagedserve.backend.worker.default_model import ensure_default_model
+        from pagedserve.backend.model.default_model import ensure_default_model
 
         model_path = str(ensure_default_model())
     return LLMEngine.from_pretrained(model_path, **engine_kwargs)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from pagedserve.backend.model import gguf_file
-from pagedserve.backend.worker.default_model import CACHE_ENV
+from pagedserve.backend.model.default_model import cache_root
 
 _FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -24,8 +23,7 @@ def tokenizer_dir(gguf_path: str | Path, cache_dir: str | None = None) -> Path:
     path = Path(gguf_path).expanduser().resolve()
     stat = path.stat()
     key = hashlib.blake2b(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
-    root = Path(cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve").expanduser()
-    target = root / "gguf-tokenizers" / f"{path.stem}-{key}"
+    target = cache_root(cache_dir) / "gguf-tokenizers" / f"{path.stem}-{key}"
     if all((target / name).is_file() for name in _FILES):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

