@@ -12,9 +12,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-import triton_python_backend_utils as pb_utils
-
 from pagedserve.backend.triton.messages import Cancel, InboxItem, InFlight, Unloading
+from pagedserve.backend.triton.protocols import Log, PythonLog
 from pagedserve.backend.triton.settings import (
     CANCEL_POLL_MAX_STEP_SECONDS,
     CANCEL_POLL_SECONDS,
@@ -30,16 +29,20 @@ class CancelWatcher:
     """Owns the watched requests and the unload clock; tells the engine loop through its inbox.
 
     `closing` is read by execute(): once the model stops being ready, new requests are refused.
+    `is_model_ready(name, version)` asks the server (pb_utils.is_model_ready in the model).
     """
 
     def __init__(self, model_name: str, model_version: str, shutdown_grace: float,
-                 engine_inbox: queue.SimpleQueue[InboxItem] | None, step_seconds: Callable[[], float]):
+                 engine_inbox: queue.SimpleQueue[InboxItem] | None, step_seconds: Callable[[], float],
+                 is_model_ready: Callable[[str, str], bool], log: Log | None = None):
         self.watch: queue.SimpleQueue[InFlight | None] = queue.SimpleQueue()  # None stops the thread
         self.closing = False
         self._model_name, self._model_version = model_name, model_version
         self._shutdown_grace = shutdown_grace
         self.engine_inbox = engine_inbox
         self._step_seconds = step_seconds
+        self._is_model_ready = is_model_ready
+        self._log = log or PythonLog()
         self._unloading_since: float | None = None
         self._ready_url = os.environ.get(HEALTH_URL_ENV, "")
         self._next_ready_poll = 0.0
@@ -87,7 +90,7 @@ class CancelWatcher:
             with request.lock:
                 cancelled = not request.closed and request.sender.is_cancelled()
         except Exception as error:  # noqa: BLE001 - one broken sender must not end the cancel thread
-            pb_utils.Logger.log_warn(f"pagedserve: is_cancelled() failed for {request.request_id} "
+            self._log.log_warn(f"pagedserve: is_cancelled() failed for {request.request_id} "
                                      f"({error!r}); it is not asked again")
             request.cancel_reported = True
             return
@@ -107,7 +110,7 @@ class CancelWatcher:
                 return
             self._unloading_since = now
             self.closing = True
-            pb_utils.Logger.log_info(f"pagedserve: the {self._model_name} model is being unloaded; in-flight "
+            self._log.log_info(f"pagedserve: the {self._model_name} model is being unloaded; in-flight "
                                      f"requests have {self._shutdown_grace:g} s to finish")
         if now - self._unloading_since >= self._shutdown_grace:
             self._unloading_since = float("inf")  # reported once
@@ -120,11 +123,11 @@ class CancelWatcher:
         if self._ready_url and not _server_ready(self._ready_url):
             return False
         try:
-            return bool(pb_utils.is_model_ready(self._model_name, self._model_version))
+            return bool(self._is_model_ready(self._model_name, self._model_version))
         except Exception as error:  # noqa: BLE001
             if "not ready" in str(error).lower():
                 return False
-            pb_utils.Logger.log_warn(f"pagedserve: is_model_ready failed: {error!r}")
+            self._log.log_warn(f"pagedserve: is_model_ready failed: {error!r}")
             return True
 
 

@@ -8,8 +8,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import triton_python_backend_utils as pb_utils
-
 from pagedserve.backend.core.errors import ErrorKind, ShuttingDownError
 from pagedserve.backend.core.outputs import RequestOutput
 from pagedserve.backend.triton.lora import run_lora_control
@@ -30,6 +28,7 @@ from pagedserve.backend.triton.messages import (
     Unloading,
     UpdateStats,
 )
+from pagedserve.backend.triton.protocols import EngineClient, Log, PythonLog
 from pagedserve.backend.triton.responses import Outbox
 from pagedserve.backend.triton.settings import (
     FAULT_MARKER_ENV,
@@ -57,8 +56,10 @@ class EngineLoop:
     """Owns the engine and the requests it runs; everything here runs on the engine thread, except
     `step_seconds`, which the cancel watcher reads."""
 
-    def __init__(self, engine: Any, settings: ModelSettings, outbox: Outbox, watch: queue.SimpleQueue):
+    def __init__(self, engine: EngineClient, settings: ModelSettings, outbox: Outbox, watch: queue.SimpleQueue,
+                 log: Log | None = None):
         self.engine = engine
+        self._log = log or PythonLog()
         self.inbox: queue.SimpleQueue[InboxItem] = queue.SimpleQueue()
         self.step_seconds = 0.0
         self._settings = settings
@@ -209,7 +210,7 @@ class EngineLoop:
         self._check_broken()
         failed = [output for output in outputs if output.error_kind is ErrorKind.INTERNAL]
         if failed:
-            pb_utils.Logger.log_error(f"pagedserve engine step failed ({failed[0].error}); "
+            self._log.log_error(f"pagedserve engine step failed ({failed[0].error}); "
                                       f"ended {len(failed)} request(s) with an error")
             self._outbox.put(CountStepFailure())
         now = time.monotonic()
@@ -260,7 +261,7 @@ class EngineLoop:
 
     def _fail_batch(self, error: Exception) -> None:
         """A step raised: end every running request with an error and keep serving."""
-        pb_utils.Logger.log_error(f"pagedserve engine step failed: {error!r}")
+        self._log.log_error(f"pagedserve engine step failed: {error!r}")
         self._outbox.put(CountStepFailure())
         for request_id, request in self._active.items():
             self.engine.abort_request(request_id)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -31,7 +32,8 @@ from pagedserve.backend.triton.instances import (
 from pagedserve.backend.triton.lora import CONTROL_INPUT, control_request, lora_engine_kwargs, model_instances
 from pagedserve.backend.triton.messages import ControlRequest, InFlight, Stop
 from pagedserve.backend.triton.metrics import EngineMetrics
-from pagedserve.backend.triton.responses import FINAL, Outbox, ResponseThread
+from pagedserve.backend.triton.protocols import FINAL
+from pagedserve.backend.triton.responses import Outbox, ResponseThread
 from pagedserve.backend.triton.settings import (
     FAULT_MARKER_ENV,
     GIL_SWITCH_INTERVAL_SECONDS,
@@ -39,10 +41,13 @@ from pagedserve.backend.triton.settings import (
     ModelSettings,
     engine_arguments,
 )
-from pagedserve.backend.triton.tensors import error_response
+from pagedserve.backend.triton.tensors import TritonResponses, error_response
+
+if TYPE_CHECKING:
+    from pagedserve.backend.engine.llm_engine import LLMEngine
 
 
-def _load_engine(model_path: str, engine_kwargs: dict):
+def _load_engine(model_path: str, engine_kwargs: dict) -> LLMEngine:
     """The LLMEngine for `model_path` (the default model when empty)."""
     from pagedserve.backend.engine.llm_engine import LLMEngine
 
@@ -61,6 +66,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("the llm model needs `model_transaction_policy { decoupled: true }`")
+        if pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL != FINAL:
+            raise pb_utils.TritonModelException("this Triton's FINAL response flag is not the one pagedserve sends")
         parameters = config.get("parameters", {})
         instance = Instance.from_args(args, config)
         self._model_path, self._engine_kwargs = self._instance_arguments(parameters, instance)
@@ -73,13 +80,14 @@ class TritonPythonModel:
         self._finalizing = False
         self._outbox = Outbox(settings.response_threads)
         self._metrics = metrics = EngineMetrics(args["model_name"], args["model_version"], instance.name)
-        self._responders = [ResponseThread(shard, self._outbox, metrics)
+        self._responders = [ResponseThread(shard, self._outbox, metrics, TritonResponses(), pb_utils.Logger)
                             for shard in range(settings.response_threads)]
         self._loop: EngineLoop | None = None
         self._loop_ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._watcher = CancelWatcher(args["model_name"], args["model_version"], settings.shutdown_grace,
-                                      engine_inbox=None, step_seconds=lambda: self._loop.step_seconds)
+                                      engine_inbox=None, step_seconds=lambda: self._loop.step_seconds,
+                                      is_model_ready=pb_utils.is_model_ready, log=pb_utils.Logger)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
         self._engine_thread = threading.Thread(target=self._engine_main, args=(settings,),
                                                name="pagedserve-engine", daemon=True)
@@ -140,6 +148,10 @@ class TritonPythonModel:
         if not any(responder.thread.is_alive() for responder in self._responders):
             self._metrics.close()
 
+    def load_engine(self) -> LLMEngine:
+        """The engine of this instance, built on the engine thread (tests/support's fault model wraps it)."""
+        return _load_engine(self._model_path, self._engine_kwargs)
+
     def _unload_broken(self, reason: str) -> None:
         """The engine can run no further step: ask Triton to unload this model, so that it reads not ready
         (/v2/models/<name>/ready) and an orchestrator restarts the server. From a thread of its own, as the
@@ -164,8 +176,8 @@ class TritonPythonModel:
             if device.type == "cuda" and device.index is not None:
                 # Triton kernels launch on the thread's current device, not on their tensors' device.
                 torch.cuda.set_device(device)
-            engine = _load_engine(self._model_path, self._engine_kwargs)
-            loop = EngineLoop(engine, settings, self._outbox, self._watcher.watch)
+            engine = self.load_engine()
+            loop = EngineLoop(engine, settings, self._outbox, self._watcher.watch, pb_utils.Logger)
             self._watcher.engine_inbox = loop.inbox
             loop.on_broken = self._unload_broken
             loop.fault_marker = os.environ.get(FAULT_MARKER_ENV, "")

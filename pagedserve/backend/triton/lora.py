@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError, json_object
 from pagedserve.backend.triton.inputs import string_input
+from pagedserve.backend.triton.protocols import EngineClient
 from pagedserve.backend.triton.settings import LORA_RUNTIME_UPDATES_PARAMETER
 
 MULTI_LORA_FILE = "multi_lora.json"
@@ -117,7 +118,7 @@ def parse_lora_control(raw: str, runtime_updates: bool, instances: int) -> LoRAC
     return LoRAControl(action, name, _required_text(body, "lora_path") if action == "load" else "")
 
 
-def run_lora_control(engine: Any, control: LoRAControl) -> dict[str, Any]:
+def run_lora_control(engine: EngineClient, control: LoRAControl) -> dict[str, Any]:
     """Apply one control on the engine thread; its answer. A load whose lora_path is no folder is refused
     naming field lora_path (the shim's 404, vLLM's missing adapter); the engine's refusals (an adapter that does
     not load, one in use, an unknown name) raise InvalidRequestError naming the adapter."""

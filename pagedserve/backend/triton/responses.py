@@ -5,15 +5,11 @@ which the thread holds no GIL, so several threads can overlap theirs (config.pbt
 from __future__ import annotations
 
 import itertools
-import json
 import queue
 import threading
 from typing import Any
 
-import triton_python_backend_utils as pb_utils
-
 from pagedserve.backend.core.errors import error_of_kind
-from pagedserve.backend.triton.encoding import OutputEncoder
 from pagedserve.backend.triton.messages import (
     CountStepFailure,
     Fence,
@@ -27,11 +23,8 @@ from pagedserve.backend.triton.messages import (
     Sent,
     UpdateStats,
 )
-from pagedserve.backend.triton.metrics import EngineMetrics
+from pagedserve.backend.triton.protocols import FINAL, Encoder, Log, Metrics, PythonLog, ResponseFactory
 from pagedserve.backend.triton.settings import FENCE_TIMEOUT_SECONDS
-from pagedserve.backend.triton.tensors import error_response, string_tensor
-
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class Outbox:
@@ -76,12 +69,16 @@ def send_final(request: InFlight, response: Any) -> None:
 
 
 class ResponseThread:
-    """One response thread: its queue, and the latency observations it has put off."""
+    """One response thread: its queue, and the latency observations it has put off. `responses` builds what
+    the senders send (tensors.TritonResponses in the model)."""
 
-    def __init__(self, shard: int, outbox: Outbox, metrics: EngineMetrics):
-        self.encoder: OutputEncoder | None = None  # set once the engine (and its tokenizer) has loaded
+    def __init__(self, shard: int, outbox: Outbox, metrics: Metrics, responses: ResponseFactory,
+                 log: Log | None = None):
+        self.encoder: Encoder | None = None  # set once the engine (and its tokenizer) has loaded
         self._inbox = outbox.queues[shard]
         self._metrics = metrics
+        self._responses = responses
+        self._log = log or PythonLog()
         self._pending_latencies: list[tuple[str, float]] = []
         self.thread = threading.Thread(target=self._run, name=f"pagedserve-responses-{shard}", daemon=True)
 
@@ -97,7 +94,7 @@ class ResponseThread:
             try:
                 self._handle(item)
             except Exception as error:  # noqa: BLE001 - one bad response must not stop the others
-                pb_utils.Logger.log_error(f"pagedserve response thread: {error!r}")
+                self._log.log_error(f"pagedserve response thread: {error!r}")
                 if isinstance(item, SendOutput):
                     self._try_send_error(item.request, error)
 
@@ -105,13 +102,12 @@ class ResponseThread:
         if isinstance(item, SendOutput):
             self._send_output(item.request, item.output, item.now)
         elif isinstance(item, SendError):
-            send_final(item.request, error_response(item.error))
+            send_final(item.request, self._responses.error(item.error))
         elif isinstance(item, SendCancelled):
-            send_final(item.request, pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                "the request was cancelled", pb_utils.TritonError.CANCELLED)))
+            send_final(item.request, self._responses.cancelled())
         elif isinstance(item, SendControl):
-            response = (error_response(item.error) if item.error is not None else pb_utils.InferenceResponse(
-                output_tensors=[string_tensor("text_output", [json.dumps(item.answer)])]))
+            response = (self._responses.error(item.error) if item.error is not None
+                        else self._responses.control(item.answer))
             item.sender.send(response, flags=FINAL)
         elif isinstance(item, UpdateStats):
             self._metrics.update(item.stats)
@@ -122,15 +118,14 @@ class ResponseThread:
         elif isinstance(item, Fence):
             item.latch.arrive()
             if not item.latch.wait(FENCE_TIMEOUT_SECONDS):
-                pb_utils.Logger.log_warn("pagedserve response thread: a fence timed out; sending on")
+                self._log.log_warn("pagedserve response thread: a fence timed out; sending on")
 
-    @staticmethod
-    def _try_send_error(request: InFlight, error: BaseException) -> None:
+    def _try_send_error(self, request: InFlight, error: BaseException) -> None:
         """End a request whose response could not be built; the client may already be gone."""
         try:
-            send_final(request, error_response(error))
+            send_final(request, self._responses.error(error))
         except Exception as send_error:  # noqa: BLE001
-            pb_utils.Logger.log_error(f"pagedserve could not end request {request.request_id}: {send_error!r}")
+            self._log.log_error(f"pagedserve could not end request {request.request_id}: {send_error!r}")
 
     def _send_output(self, request: InFlight, output: Any, now: float) -> None:
         num_new = sum(len(c.token_ids_delta) for c in output.outputs)
@@ -145,7 +140,7 @@ class ResponseThread:
             # Each observation is a round trip to the server: they wait until the queued responses are out.
             if request.inputs.stream and num_new:
                 tensors = self.encoder.tensors(request, output)
-                request.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=0)
+                request.sender.send(self._responses.output(tensors), flags=0)
             if latency:
                 self._pending_latencies.append(latency)
             return
@@ -156,9 +151,9 @@ class ResponseThread:
         if output.finished:
             self._metrics.observe("e2e", now - request.arrival)
         if output.error:
-            send_final(request, error_response(error_of_kind(output.error_kind, output.error)))
+            send_final(request, self._responses.error(error_of_kind(output.error_kind, output.error)))
             return
-        send_final(request, pb_utils.InferenceResponse(output_tensors=self.encoder.tensors(request, output)))
+        send_final(request, self._responses.output(self.encoder.tensors(request, output)))
 
     def _observe_pending(self) -> None:
         """Make the latency observations this thread's streamed responses put off."""
@@ -167,4 +162,4 @@ class ResponseThread:
             for latency in pending:
                 self._metrics.observe(*latency)
         except Exception as error:  # noqa: BLE001 - a failed observation must not stop the responses
-            pb_utils.Logger.log_error(f"pagedserve response thread: a latency observation failed: {error!r}")
+            self._log.log_error(f"pagedserve response thread: a latency observation failed: {error!r}")

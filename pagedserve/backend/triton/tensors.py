@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,3 +31,21 @@ def error_response(error: BaseException) -> Any:
 def string_tensor(name: str, values: Sequence[str]) -> Any:
     """A STRING tensor of UTF-8 encoded values."""
     return pb_utils.Tensor(name, np.array([v.encode("utf-8") for v in values], dtype=np.object_))
+
+
+class TritonResponses:
+    """The llm model's responses as pb_utils objects: the ResponseFactory of its response threads."""
+
+    def output(self, tensors: list) -> Any:
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def error(self, error: BaseException) -> Any:
+        return error_response(error)
+
+    def cancelled(self) -> Any:
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+            "the request was cancelled", pb_utils.TritonError.CANCELLED))
+
+    def control(self, answer: dict) -> Any:
+        """A lora_control answer: the JSON object in text_output."""
+        return self.output([string_tensor("text_output", [json.dumps(answer)])])
