@@ -1,19 +1,23 @@
 """A tritonserver for the reliability tests: the tiny Llama with a small KV pool (block_size 4, 48 blocks) so
-64 concurrent streams force preemption, and the engine fault hook armed; and the OpenAI shim in front of it.
+64 concurrent streams force preemption, served by the test llm model whose engine fails a step or compiles a
+grammar slowly on FAULT_MARKER (tests/support/faults.py); and the OpenAI shim in front of it.
 A test module that needs other settings names them LLM_PARAMS and asks for `llm_server`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from pagedserve.client.model_repository import prepare_model_repository
+from tests.support import servers
+from tests.support.faults import FAULT_MARKER, install_fault_model
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 
-FAULT_MARKER = "@@inject-step-fault@@"
-FAULT_MARKER_ENV = "PAGEDSERVE_TEST_FAULT_MARKER"
 SMALL_POOL_PARAMS = {
     **CPU_FP32,
     "block_size": "4",
@@ -28,10 +32,20 @@ SMALL_POOL_PARAMS = {
 @pytest.fixture(scope="session")
 def small_pool_server(tiny_llama_path: Path,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
-    """tritonserver with a 48-block KV pool and the fault hook armed for FAULT_MARKER."""
-    with triton_running(tiny_llama_path, tmp_path_factory.mktemp("reliability-triton"), SMALL_POOL_PARAMS,
-                        env={FAULT_MARKER_ENV: FAULT_MARKER}) as running:
+    """tritonserver with a 48-block KV pool, its llm model the fault model (faults on FAULT_MARKER)."""
+    with contextlib.ExitStack() as stack:
+        # The repository triton_running prepares gets the fault model before the server starts; the patch
+        # ends once it has, so that servers started later serve pagedserve's own llm model.
+        with mock.patch.object(servers, "prepare_model_repository", _with_fault_model):
+            running = stack.enter_context(triton_running(
+                tiny_llama_path, tmp_path_factory.mktemp("reliability-triton"), SMALL_POOL_PARAMS))
         yield running
+
+
+def _with_fault_model(*args, **kwargs) -> Path:
+    repository = prepare_model_repository(*args, **kwargs)
+    install_fault_model(repository)
+    return repository
 
 
 @pytest.fixture(scope="module")
@@ -54,5 +68,6 @@ def shim_url(small_pool_server: RunningTriton) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def fault_marker() -> str:
-    """Text that makes small_pool_server's engine step fail once for the request carrying it."""
+    """Text that makes small_pool_server's engine step fail once for the request carrying it, and a grammar
+    whose spec carries it compile SLOW_COMPILE_SECONDS late."""
     return FAULT_MARKER

@@ -1,6 +1,7 @@
-"""An exception injected into one engine step (the PAGEDSERVE_TEST_FAULT_MARKER hook of the llm model): the
-requests of that step end with an error, the engine serves everything else, and the failure is logged and
-counted in pagedserve:engine_step_failures_total."""
+"""An exception injected into one engine step (small_pool_server's test model fails the forward of a step that
+schedules a request carrying the fault marker, tests/support/faults.py): the requests of that step end with an
+error, the engine serves everything else, and the failure is logged and counted in
+pagedserve:engine_step_failures_total."""
 
 from __future__ import annotations
 

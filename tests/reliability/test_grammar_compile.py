@@ -1,6 +1,7 @@
-"""A structured-output grammar compiles off the engine thread: while one compiles (small_pool_server's slow
-compile hook stands in for a large schema on a real vocabulary), other requests start and finish; the
-waiting request then runs, or is cancelled or refused cleanly, and nothing is left allocated."""
+"""A structured-output grammar compiles off the engine thread: while one compiles (small_pool_server's test
+model compiles a spec holding the fault marker slowly, standing in for a large schema on a real vocabulary),
+other requests start and finish; the waiting request then runs, or is cancelled or refused cleanly, and nothing
+is left allocated."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import time
 
 import pytest
-from pagedserve.backend.engine.structured import SLOW_MARKER_DELAY_SECONDS
 
+from tests.support.faults import SLOW_COMPILE_SECONDS
 from tests.support.servers import RunningTriton
 from tests.support.streams import GrpcStream
 
@@ -71,7 +72,7 @@ def test_cancelling_a_request_while_its_grammar_compiles_ends_it_and_nothing_run
                         "stream": True}, request_id="doomed")
     time.sleep(0.5)  # the cancel watcher has the request
     stream.close(cancel=True)
-    time.sleep(SLOW_MARKER_DELAY_SECONDS + 1.0)  # past the compile: a request not withdrawn would run now
+    time.sleep(SLOW_COMPILE_SECONDS + 1.0)  # past the compile: a request not withdrawn would run now
     small_pool_server.wait_idle()
     assert small_pool_server.metric("vllm:prompt_tokens_total") == prompt_tokens
     after = small_pool_server.grpc_stream("llm", {"text_input": "After", "sampling_parameters": FAST})

@@ -6,7 +6,6 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from typing import Any
 
 from pagedserve.backend.core.errors import ErrorKind, ShuttingDownError
 from pagedserve.backend.core.outputs import RequestOutput
@@ -31,7 +30,6 @@ from pagedserve.backend.triton.messages import (
 from pagedserve.backend.triton.protocols import EngineClient, Log, PythonLog
 from pagedserve.backend.triton.responses import Outbox
 from pagedserve.backend.triton.settings import (
-    FAULT_MARKER_ENV,
     FIRST_TOKEN_WAIT_SECONDS,
     FIRST_TOKEN_WAIT_STEP_FRACTION,
     STATS_INTERVAL_SECONDS,
@@ -71,11 +69,9 @@ class EngineLoop:
         self._ended_in_step = 0  # requests the last step ended, and when it ended
         self._step_end = 0.0
         self._last_stats = 0.0
-        self.fault_marker = ""
         # Called once, with the reason, when the engine can run no further step (the model then asks to be
         # unloaded, so that it reads not ready).
         self.on_broken: Callable[[str], None] | None = None
-        self._fault_ids: set[str] = set()
 
     def run(self) -> None:
         """Serve until Stop."""
@@ -107,13 +103,6 @@ class EngineLoop:
                     self._add(item)
             if engine.has_unfinished_requests():
                 self._step()
-
-    def inject_fault(self, sched: Any) -> None:
-        """The FAULT_MARKER_ENV test hook: raise once for each marked request this step schedules."""
-        marked = {s.request.group_id or s.request.request_id for s in sched.scheduled} & self._fault_ids
-        if marked:
-            self._fault_ids -= marked
-            raise RuntimeError(f"injected fault ({FAULT_MARKER_ENV}) for {sorted(marked)}")
 
     def _drain_inbox(self, block: bool) -> list[InboxItem]:
         items = [self.inbox.get()] if block else []
@@ -176,8 +165,6 @@ class EngineLoop:
         self._active[request.request_id] = request
         if watch:
             self._watch.put(request)
-        if self.fault_marker and inputs.prompt and self.fault_marker in inputs.prompt:
-            self._fault_ids.add(request.request_id)
 
     def _control(self, item: ControlRequest) -> None:
         """Run a lora_control between steps (a load blocks them for as long as it reads the adapter)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 import threading
 import time
@@ -35,7 +34,6 @@ from pagedserve.backend.triton.metrics import EngineMetrics
 from pagedserve.backend.triton.protocols import FINAL
 from pagedserve.backend.triton.responses import Outbox, ResponseThread
 from pagedserve.backend.triton.settings import (
-    FAULT_MARKER_ENV,
     GIL_SWITCH_INTERVAL_SECONDS,
     SHUTDOWN_TIMEOUT_SECONDS,
     ModelSettings,
@@ -180,10 +178,6 @@ class TritonPythonModel:
             loop = EngineLoop(engine, settings, self._outbox, self._watcher.watch, pb_utils.Logger)
             self._watcher.engine_inbox = loop.inbox
             loop.on_broken = self._unload_broken
-            loop.fault_marker = os.environ.get(FAULT_MARKER_ENV, "")
-            if loop.fault_marker:
-                engine.fault_injector = loop.inject_fault
-                engine.structured.slow_marker = loop.fault_marker
             encoder = OutputEncoder(engine.tokenizer)
             for responder in self._responders:
                 responder.encoder = encoder

@@ -37,9 +37,6 @@ ADMISSION_WINDOW_STEP_FRACTION = 0.1
 # One thread: more overlap their sends' round trips but did not shorten the TTFT the path adds on 2 cores.
 RESPONSE_THREADS = 1
 
-# Test hook, off unless set in tritonserver's environment: a step that schedules a request whose text_input
-# contains this marker raises once, as a failing forward would (tests/reliability uses it).
-FAULT_MARKER_ENV = "PAGEDSERVE_TEST_FAULT_MARKER"
 # Set by the launcher: tritonserver's HTTP readiness URL, which the cancel watcher asks before
 # pb_utils.is_model_ready (Triton 2.51's answer "server not ready" to that call can crash the stub).
 HEALTH_URL_ENV = "PAGEDSERVE_TRITON_READY_URL"
