@@ -92,7 +92,9 @@ def binding_tok_s(python: Path, gguf: str, prompts: list[list[int]], new_tokens:
     spec.write_text(json.dumps({"gguf": gguf, "prompts": prompts, "new_tokens": new_tokens, "threads": threads}))
     script = work_dir / "llamacpp_binding.py"
     script.write_text(_BINDING_SCRIPT)
-    proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, timeout=1800)
+    # A neutral working directory: nothing of the caller's on the peer's sys.path.
+    proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, timeout=1800,
+                          cwd=work_dir)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"llama-cpp-python failed: {proc.stderr.strip()[-800:]}")

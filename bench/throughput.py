@@ -186,7 +186,9 @@ def run_vllm(python: Path, model: str, dtype: str, workload: Workload, kv_bytes:
         iomp = python.parent.parent / "lib" / "libiomp5.so"
         if iomp.exists():
             env["LD_PRELOAD"] = str(iomp)
-        proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, env=env)
+        # From its own folder: vLLM's model inspection runs a subprocess with the working directory on sys.path.
+        proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, env=env,
+                              cwd=tmp)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return RunResult(**json.loads(line[len("RESULT "):]))
