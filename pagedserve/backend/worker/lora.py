@@ -27,8 +27,9 @@ from pagedserve.backend.model.lora import (
     load_lora_adapter,
     module_shapes,
 )
+from pagedserve.backend.model.parallel_layers import RowParallelLinear
 from pagedserve.backend.model.sharding import shard_lora_pair
-from pagedserve.backend.worker.parallel import LoRAPlan, RowParallelLinear
+from pagedserve.backend.worker.parallel import LoRAPlan
 from pagedserve.kernels.lora import SlotGroups, group_slots, native_projection
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,6 @@
 """Tensor parallelism over torch.distributed: one rank's process group (gloo on the CPU, NCCL on CUDA with a gloo
-group beside it for the step plans), its sharded model with the row-parallel projections and MoE blocks all-reduced,
-the vocab-parallel embedding all-reduced and the vocab-parallel lm_head's logits gathered to rank 0, and the step
-plan rank 0 broadcasts so every rank runs the same forward and the same logits rows."""
+group beside it for the step plans), the collectives its sharded model's layers join (model/parallel_layers.py),
+and the step plan rank 0 broadcasts so every rank runs the same forward and the same logits rows."""
 
 from __future__ import annotations
 
@@ -22,15 +21,9 @@ from pagedserve.backend.core.config import ModelConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.attention import AttentionMetadata
-from pagedserve.backend.model.moe import SparseMoeBlock
+from pagedserve.backend.model.parallel_layers import load_parallel_model
 from pagedserve.backend.model.quant_formats import scheme_from_config
-from pagedserve.backend.model.sharding import (
-    ROW_PARALLEL,
-    TP_ARCHITECTURES,
-    indivisible_field,
-    load_sharded_model,
-    vocab_shard_size,
-)
+from pagedserve.backend.model.sharding import TP_ARCHITECTURES, indivisible_field
 
 logger = logging.getLogger(__name__)
 
@@ -118,67 +111,6 @@ class StepPlan:
                                  self.max_seqlen_k)
 
 
-class RowParallelLinear(nn.Module):
-    """A row-parallel projection or MoE block: this rank's partial product, summed over the ranks (a bias lives on
-    rank 0)."""
-
-    def __init__(self, base: nn.Module, group: TensorParallel):
-        super().__init__()
-        self.base = base
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """base(x) all-reduced."""
-        out = self.base(x)
-        self.group.all_reduce(out)
-        return out
-
-
-class VocabParallelEmbedding(nn.Module):
-    """This rank's rows [start, start + Vp) of the embedding table: ids outside them look up zeros, and the sum over
-    the ranks is every token's one row."""
-
-    def __init__(self, base: nn.Embedding, group: TensorParallel, start: int):
-        super().__init__()
-        self.base = base
-        self.group = group
-        self.start = start
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """This rank's rows (their dtype is the model's, which Gemma's scaling reads)."""
-        return self.base.weight
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        """The embeddings of `input_ids`, all-reduced."""
-        local = input_ids - self.start
-        outside = (local < 0) | (local >= self.base.num_embeddings)
-        out = self.base(local.masked_fill(outside, 0))
-        out.masked_fill_(outside[:, None], 0)
-        self.group.all_reduce(out)
-        return out
-
-
-class VocabParallelLMHead(nn.Module):
-    """This rank's Vp rows of the lm_head: each rank's logits gathered to rank 0, which gets the whole vocabulary's
-    (the padding cut off); the other ranks get [R, 0]. No rows: no collective on any rank (their plans agree)."""
-
-    def __init__(self, base: nn.Module, group: TensorParallel, vocab_size: int):
-        super().__init__()
-        self.base = base
-        self.group = group
-        self.vocab_size = vocab_size
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] on rank 0, [R, 0] elsewhere
-        """This rank's logits, gathered."""
-        if hidden.shape[0] == 0:
-            return hidden.new_zeros(0, self.vocab_size if self.group.rank == 0 else 0)
-        parts = self.group.gather(self.base(hidden).contiguous())
-        if parts is None:
-            return hidden.new_zeros(hidden.shape[0], 0)
-        return torch.cat(parts, dim=1)[:, : self.vocab_size].contiguous()
-
-
 class TensorParallel:
     """One rank's membership of the tensor-parallel group. Rank 0 broadcasts each step's plan; the others
     receive it. Once a collective fails every later call raises the same TensorParallelError."""
@@ -204,15 +136,8 @@ class TensorParallel:
         self.plan_group = dist.new_group(backend="gloo", timeout=_PLAN_WAIT)
 
     def load_model(self, path: str | Path, dtype: torch.dtype, max_position: int) -> nn.Module:
-        """This rank's shard of the model, its row-parallel projections and MoE blocks wrapped to all-reduce, its
-        embedding and lm_head to join their rows over the ranks (a tied pair keeps its one shared table)."""
-        model = load_sharded_model(path, dtype, self.device, max_position, self.rank, self.world_size)
-        vocab = model.config.vocab_size
-        start = self.rank * vocab_shard_size(vocab, self.world_size)
-        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, self, start)
-        model.lm_head = VocabParallelLMHead(model.lm_head, self, vocab)
-        _wrap_row_parallel(model, self)
-        return model
+        """This rank's shard of the model, its layers joined over the group (model/parallel_layers.py)."""
+        return load_parallel_model(path, dtype, self.device, max_position, self)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks in place."""
@@ -288,18 +213,6 @@ class TensorParallel:
         cause = self._dead(1.0) or f"a tensor-parallel collective failed on rank {self.rank}: {error}"
         self.failure = cause + _CANNOT_CONTINUE
         raise TensorParallelError(self.failure) from error
-
-
-def _wrap_row_parallel(model: nn.Module, group: TensorParallel) -> None:
-    """Wrap each row-parallel projection to all-reduce, and each MoE block whole: its experts' and shared expert's
-    partial sums are reduced once, at its output (the shared expert's gate scales each token's partial alike)."""
-    in_moe = {id(m) for block in model.modules() if isinstance(block, SparseMoeBlock) for m in block.modules()}
-    for module in list(model.modules()):
-        if id(module) in in_moe:
-            continue
-        for name, child in list(module.named_children()):
-            if name in ROW_PARALLEL or isinstance(child, SparseMoeBlock):
-                setattr(module, name, RowParallelLinear(child, group))
 
 
 def open_store(init_method: str, is_master: bool, timeout: float | None = None) -> dist.TCPStore:
