@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +52,12 @@ def load_model(
     if scheme is not None and quantization != "none":
         raise ValueError(f"quantization {quantization!r} applies to float checkpoints; this one is already "
                          f"quantized ({scheme.method})")
-    with torch.device("meta"):
-        model = family.model_cls(cfg, max_position)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    filled, stash = _load_tensors(model, family, cfg, path, scheme)
+    model = empty_model(family, cfg, max_position, dtype, device)
+    stash: dict[str, dict[str, torch.Tensor]] = {}
+    filled = place_checkpoint(model, family, cfg, _set_aside(iter_checkpoint(path), scheme, stash))
     if scheme is not None:
         _place_quantized(model, family, cfg, scheme, stash, filled)
-    _check_complete(model, filled)
+    check_complete(model, filled)
     quantize_projections(model, quantization)
     prepare_quantized(model)
     model.init_rope(dtype, device)
@@ -72,18 +69,28 @@ def load_model(
 Filled = dict[str, dict[str, int]]
 
 
-def _load_tensors(model: LlamaForCausalLM, family: ModelFamily, cfg: ModelArchConfig, path: Path,
-                  scheme: Scheme | None) -> tuple[Filled, dict[str, dict[str, torch.Tensor]]]:
-    """Copy every float tensor into the part of its parameter the family names; returns what was filled and the
-    quantized projections' tensors, by checkpoint module then suffix."""
+def empty_model(family: ModelFamily, cfg: ModelArchConfig, max_position: int, dtype: torch.dtype,
+                device: torch.device, reshape: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The family's model for `cfg` on `device`, its memory not yet filled; `reshape` edits it first, on the meta
+    device (a rank's vocabulary rows). A tied lm_head shares the embedding's table."""
+    with torch.device("meta"):
+        model = family.model_cls(cfg, max_position)
+        if reshape is not None:
+            reshape(model)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def place_checkpoint(model: nn.Module, family: ModelFamily, cfg: ModelArchConfig,
+                     tensors: Iterable[tuple[str, torch.Tensor]],
+                     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Filled:
+    """Copy each checkpoint tensor (through `shard`: this rank's slice of it) into the part of its parameter the
+    family names; returns what was filled, a tied lm_head counted."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: Filled = {}
-    stash: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in _iter_checkpoint(path):
-        if scheme is not None and scheme.owns(name):
-            module, suffix = name.rsplit(".", 1)
-            stash.setdefault(module, {})[suffix] = tensor
-            continue
+    for name, tensor in tensors:
         placement = family.placement(name, cfg)
         if placement is None:
             continue
@@ -92,15 +99,29 @@ def _load_tensors(model: LlamaForCausalLM, family: ModelFamily, cfg: ModelArchCo
         dst = params[placement.param].data
         if placement.selector is not None:
             dst = dst[placement.selector]
+        if shard is not None:
+            tensor = shard(name, tensor)
         if dst.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-            )
+            part = " (this rank's shard)" if shard is not None else ""
+            raise ValueError(f"checkpoint tensor {name!r}{part} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
         dst.copy_(tensor)
         _mark(filled, placement.param, placement.selector, dst.numel())
     if cfg.tie_word_embeddings:
         _mark(filled, "lm_head.weight", None, model.lm_head.weight.numel())
-    return filled, stash
+    return filled
+
+
+def _set_aside(tensors: Iterable[tuple[str, torch.Tensor]], scheme: Scheme | None,
+               stash: dict[str, dict[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors `scheme` does not own; the quantized ones it owns go into `stash`, by checkpoint module then
+    suffix."""
+    for name, tensor in tensors:
+        if scheme is not None and scheme.owns(name):
+            module, suffix = name.rsplit(".", 1)
+            stash.setdefault(module, {})[suffix] = tensor
+        else:
+            yield name, tensor
 
 
 def _mark(filled: Filled, param: str, selector: Selector | None, numel: int) -> None:
@@ -150,7 +171,7 @@ def _sibling(family: ModelFamily, target: str, index: int) -> str:
     return f"model.{parent}.{family.fused[fused].parts[index]}"
 
 
-def _check_complete(model: LlamaForCausalLM, filled: Filled) -> None:
+def check_complete(model: LlamaForCausalLM, filled: Filled) -> None:
     """Every element of every parameter must have come from the checkpoint: the parts filled of each parameter
     add up to all of it."""
     missing = []
@@ -163,7 +184,7 @@ def _check_complete(model: LlamaForCausalLM, filled: Filled) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
 
-def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json."""
     index = path / "model.safetensors.index.json"
     if index.is_file():

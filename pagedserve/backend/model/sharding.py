@@ -3,8 +3,7 @@ expert's width) and its slices of the checkpoint (Megatron's split: column-paral
 o_proj and down_proj; each expert's gate/up (w1/w3) column-parallel and its down (w2) row-parallel, a shared expert
 split as a dense MLP, the router and the shared expert's gate replicated; a vocab-parallel embedding and lm_head
 holding rows [rank * Vp, (rank + 1) * Vp) of the vocabulary, Vp = ceil(vocab / ranks), zero past its end; the norms
-replicated). The collectives after the row-parallel projections, the MoE blocks, the embedding and the head are
-the worker's (parallel.py)."""
+replicated). The layers that join the ranks' partial results over a group are parallel_layers.py's."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from torch import nn
 
 from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
 from pagedserve.backend.model.family import gate_up_sizes, qkv_sizes
-from pagedserve.backend.model.loader import _check_complete, _iter_checkpoint, _mark
+from pagedserve.backend.model.loader import check_complete, empty_model, iter_checkpoint, place_checkpoint
 from pagedserve.backend.model.moe import MoEArchConfig
 from pagedserve.backend.model.quant_formats import scheme_from_config
 from pagedserve.backend.model.registry import family_for
@@ -151,32 +150,10 @@ def load_sharded_model(path: str | Path, dtype: torch.dtype, device: torch.devic
     full = ModelArchConfig.from_pretrained(path)
     cfg = shard_config(full, world_size)
     family = family_for(cfg.architecture)
-    with torch.device("meta"):
-        model = family.model_cls(cfg, max_position)
-        _split_vocab(model, cfg, world_size)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    params = dict(model.named_parameters(remove_duplicate=False))
-    filled: dict[str, dict[str, int]] = {}
-    for name, tensor in _iter_checkpoint(path):
-        placement = family.placement(name, cfg)
-        if placement is None:
-            continue
-        if placement.param not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-        dst = params[placement.param].data
-        if placement.selector is not None:
-            dst = dst[placement.selector]
-        part = shard_tensor(name, tensor, full, rank, world_size)
-        if dst.shape != part.shape:
-            raise ValueError(f"checkpoint tensor {name!r}'s shard {rank} has shape {tuple(part.shape)}, "
-                             f"expected {tuple(dst.shape)}")
-        dst.copy_(part)
-        _mark(filled, placement.param, placement.selector, dst.numel())
-    if cfg.tie_word_embeddings:
-        _mark(filled, "lm_head.weight", None, model.lm_head.weight.numel())
-    _check_complete(model, filled)
+    model = empty_model(family, cfg, max_position, dtype, device, lambda m: _split_vocab(m, cfg, world_size))
+    filled = place_checkpoint(model, family, cfg, iter_checkpoint(path),
+                              lambda name, tensor: shard_tensor(name, tensor, full, rank, world_size))
+    check_complete(model, filled)
     model.init_rope(dtype, device)
     model.eval()
     return model
