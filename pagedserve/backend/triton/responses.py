@@ -99,6 +99,8 @@ class ResponseThread:
                     self._try_send_error(item.request, error)
 
     def _handle(self, item: OutboxItem) -> None:
+        if isinstance(item, SendOutput | SendError | SendCancelled) and item.request.closed:
+            return  # a failed response ended it early: its sender takes nothing after the FINAL one
         if isinstance(item, SendOutput):
             self._send_output(item.request, item.output, item.now)
         elif isinstance(item, SendError):
