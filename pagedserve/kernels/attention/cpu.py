@@ -8,8 +8,6 @@ prompt), and decodes run `paged_attention.cpp`. Without the native library, deco
 from __future__ import annotations
 
 import ctypes
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +15,14 @@ import torch.nn.functional as F
 from pagedserve.kernels import native
 from pagedserve.kernels.attention import reference
 from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
+from pagedserve.kernels.native.split import RangeSplitter
 
 _decode_kernel = native.Function(
     "pagedserve_decode_attention",
     [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
 )
-# Below this many sequences per thread, one call is cheaper than handing work to another thread.
-_MIN_SEQS_PER_THREAD = 8
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+# Below 8 sequences per thread, one call is cheaper than handing work to another thread.
+_split = RangeSplitter("pagedserve-attn", min_per_thread=8)
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -36,29 +33,6 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         and key_cache.is_contiguous()
         and native.load() is not None
     )
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != workers:  # noqa: SLF001 - resize on a thread-count change
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedserve-attn")
-        return _pool
-
-
-def _run_split(run, num_seqs: int) -> None:
-    """run(begin, end) over the sequences, split across threads where there are enough of them."""
-    workers = min(torch.get_num_threads(), num_seqs // _MIN_SEQS_PER_THREAD)
-    if workers <= 1:
-        run(0, num_seqs)
-        return
-    # ctypes drops the GIL during the call, so threads split the sequences for real.
-    bounds = [num_seqs * i // workers for i in range(workers + 1)]
-    futures = [_executor(workers).submit(run, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    for future in futures:
-        future.result()
 
 
 def decode_attention(
@@ -94,7 +68,7 @@ def decode_attention(
             head_dim, block_size, tables.stride(0), query.stride(0), out.stride(0), scale, window, soft_cap, code,
         )
 
-    _run_split(run, num_seqs)
+    _split(run, num_seqs)
     if target is not None and target is not out:
         target.copy_(out)
         return target

@@ -7,13 +7,12 @@ scales and offsets beside it per tile and group, fp16 where that holds them exac
 from __future__ import annotations
 
 import ctypes
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 
 from pagedserve.kernels import native
+from pagedserve.kernels.native.split import RangeSplitter
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 
 TILE = 16
@@ -22,12 +21,10 @@ _gemm = native.Function(
     [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_int],
     {2: "native quantized GEMM: bits must be 4 or 8", 3: "native quantized GEMM: K must be whole (even) groups"},
 )
-# Below this many tiles per thread, one call is cheaper than handing work to another thread.
-_MIN_TILES_PER_THREAD = 64
+# Below 64 tiles per thread, one call is cheaper than handing work to another thread.
+_split = RangeSplitter("pagedserve-qgemm", min_per_thread=64)
 _DTYPE_CODES = {torch.float32: native.dtype_code(torch.empty(0)),
                 torch.bfloat16: native.dtype_code(torch.empty(0, dtype=torch.bfloat16))}
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 
 
 class NativePacked(NamedTuple):
@@ -91,16 +88,6 @@ def unpacker(packed: NativePacked, weight: QuantizedWeight):
     return unpack
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers != workers:  # noqa: SLF001 - resize on a thread-count change
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedserve-qgemm")
-        return _pool
-
-
 def gemm(x: torch.Tensor, packed: NativePacked) -> torch.Tensor:
     """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype, split over threads by tiles."""
     m, n = x.shape[0], packed.weight_args[3]
@@ -115,12 +102,5 @@ def gemm(x: torch.Tensor, packed: NativePacked) -> torch.Tensor:
     def run(begin: int, end: int) -> None:
         _gemm(x_ptr, out_ptr, q, scales, offsets, m, *sizes, begin, end, code)
 
-    workers = min(torch.get_num_threads(), tiles // _MIN_TILES_PER_THREAD)
-    if workers <= 1:
-        run(0, tiles)
-        return out
-    bounds = [tiles * i // workers for i in range(workers + 1)]
-    futures = [_executor(workers).submit(run, a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-    for future in futures:
-        future.result()
+    _split(run, tiles)
     return out
