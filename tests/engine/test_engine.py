@@ -6,11 +6,11 @@ import json
 import shutil
 
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import UnsupportedModelError
-
 from pagedserve.testing import copy_with_bos_tokenizer
 from tests.support.engines import cpu_engine, greedy, run_to_end
 
@@ -173,13 +173,15 @@ def test_abort_ends_one_request_and_frees_its_blocks(engine):
 def test_failing_step_errors_its_requests_and_the_engine_serves_on(engine):
     expected = engine.generate(PROMPT, greedy(max_tokens=6))[0].outputs[0].token_ids
     calls = []
+    execute = engine.runner.execute
 
     def fail_second_step(sched):
         calls.append(len(sched.scheduled))
         if len(calls) == 2:
             raise RuntimeError("injected fault")
+        return execute(sched)
 
-    engine.fault_injector = fail_second_step
+    engine.runner.execute = fail_second_step
     engine.add_request("doomed", PROMPT, greedy(max_tokens=6))
     engine.step()
     outs = engine.step()

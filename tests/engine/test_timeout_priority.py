@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from pagedserve.backend.core.errors import ErrorKind, InvalidRequestError
 from pagedserve.backend.engine import llm_engine
 from pagedserve.backend.engine.llm_engine import LLMEngine
-
 from tests.support.engines import cpu_engine, greedy, run_to_end
 
 PROMPT = "The quick brown fox"
@@ -96,7 +96,7 @@ def test_a_failed_step_is_an_internal_error(engine):
     def fail(sched):
         raise RuntimeError("injected fault")
 
-    engine.fault_injector = fail
+    engine.runner.execute = fail
     engine.add_request("doomed", PROMPT, greedy(4))
     (out,) = engine.step()
     assert out.error_kind is ErrorKind.INTERNAL and "injected fault" in out.error

@@ -1,5 +1,5 @@
-"""The engine's LoRA adapters by name: load ids, which requests may name them, and LLMEngine's
-add_lora / remove_lora / list_loras (a mixin, so the engine's own module stays about stepping)."""
+"""The engine's LoRA adapters by name: load ids, which requests may name them, the scheduler's LoRA
+arguments; LLMEngine holds one `LoRARegistry` and its add_lora / remove_lora / list_loras call it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import Scheduler
 from pagedserve.backend.worker.lora import LoRAManager
+
+
+def scheduler_lora_args(config: LoRAConfig | None, manager: LoRAManager | None) -> dict[str, Any]:
+    """The Scheduler's LoRA arguments: the slots' count and the resident load ids (none when LoRA is off)."""
+    if manager is None:
+        return {}
+    return {"max_loras": (config if config is not None else LoRAConfig()).max_loras,
+            "resident_loras": manager.slot_ids}
 
 
 class LoRARegistry:
@@ -31,11 +39,15 @@ class LoRARegistry:
         """Whether this engine serves adapters at all."""
         return self.manager is not None
 
-    def scheduler_args(self) -> dict[str, Any]:
-        """The Scheduler's LoRA arguments: the slots' count and the resident load ids (none when LoRA is off)."""
-        if self.manager is None:
-            return {}
-        return {"max_loras": self.config.max_loras, "resident_loras": self.manager.slot_ids}
+    def load_modules(self, lora_modules: Mapping[str, str] | None) -> None:
+        """The adapters given at start-up (name -> folder), loaded as `add` loads them."""
+        if not lora_modules:
+            return
+        if not isinstance(lora_modules, Mapping):
+            raise InvalidRequestError(
+                f"lora_modules must map adapter names to folders, got {type(lora_modules).__name__}", "lora_modules")
+        for name, path in lora_modules.items():
+            self.add(name, str(path))
 
     def add(self, name: str, path: str) -> None:
         """Load and check an adapter under `name`; InvalidRequestError naming it when it cannot serve."""
@@ -101,32 +113,3 @@ class LoRARegistry:
             "waiting_lora_adapters": sorted(self._names[i] for i in waiting if i in self._names),
             "max_lora": self.config.max_loras,
         }
-
-
-class LoRAEngineMixin:
-    """LLMEngine's adapter methods, over its `lora` registry and its scheduler."""
-
-    lora: LoRARegistry
-    scheduler: Scheduler
-
-    def add_lora(self, name: str, path: str) -> None:
-        """Load the PEFT adapter in folder `path` as `name`; InvalidRequestError naming it if it cannot serve."""
-        self.lora.add(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        """Unload adapter `name`; refused (InvalidRequestError) while a request uses it, or if unknown."""
-        self.lora.remove(name, self.scheduler.requests.values())
-
-    def list_loras(self) -> dict[str, str]:
-        """Loaded adapters, name -> path, in load order."""
-        return self.lora.list()
-
-    def _load_lora_modules(self, lora_modules: Mapping[str, str] | None) -> None:
-        """The adapters given at start-up (name -> folder), as add_lora loads them."""
-        if not lora_modules:
-            return
-        if not isinstance(lora_modules, Mapping):
-            raise InvalidRequestError(
-                f"lora_modules must map adapter names to folders, got {type(lora_modules).__name__}", "lora_modules")
-        for name, path in lora_modules.items():
-            self.add_lora(name, str(path))

@@ -28,12 +28,13 @@ class StepBatch:
 
     rows: list[int] = field(default_factory=list)  # logits rows to sample, one per request below
     requests: list[Request] = field(default_factory=list)
-    groups: list[SamplingGroup] = field(default_factory=list)  # the group of each request
+    groups: list[SamplingGroup | None] = field(default_factory=list)  # each request's group (None: none)
     matchers: list[Any] = field(default_factory=list)  # the grammar matcher that masks each row, or None
-    forks: list[tuple[SamplingGroup, Request]] = field(default_factory=list)  # children sampled from a row
+    # (group, parent, child): a child sampled from its parent's row, forked from it once the row is sampled
+    forks: list[tuple[SamplingGroup, Request, Request]] = field(default_factory=list)
     ready_beams: dict[str, BeamGroup] = field(default_factory=dict)  # beam groups whose beams all have logits
 
-    def sample(self, row: int, group: SamplingGroup, request: Request, matcher: Any = None) -> None:
+    def sample(self, row: int, group: SamplingGroup | None, request: Request, matcher: Any = None) -> None:
         self.rows.append(row)
         self.requests.append(request)
         self.groups.append(group)
@@ -186,7 +187,7 @@ class SamplingGroup(RequestGroup):
             # The children sample from the parent's row: same prompt, same next-token distribution, and
             # (no token accepted yet) the same grammar state.
             for child in self._children():
-                batch.forks.append((self, child))
+                batch.forks.append((self, seq.request, child))
                 batch.sample(row, self, child, seq.matcher)
 
     def _matcher(self) -> Any:

@@ -46,7 +46,7 @@ class StepSample:
 
 
 def sample_step(
-    sampler: Sampler, structured: StructuredOutputs, logits: torch.Tensor, batch: StepBatch,
+    sampler: Sampler, structured: StructuredOutputs | None, logits: torch.Tensor, batch: StepBatch,
     sched: SchedulerOutput, spec_logits: dict[str, torch.Tensor],
 ) -> StepSample | None:
     """Sample every row of `logits` [R, V] (batch order); a row whose request has drafts scheduled samples
@@ -58,9 +58,9 @@ def sample_step(
               if s.spec_token_ids and s.request.request_id in spec_logits}
     spec_rows = [i for i, r in enumerate(batch.requests) if r.request_id in drafts]
     if not spec_rows:
-        return StepSample(sampler(structured.apply(logits, batch.matchers), batch.requests), {}, {}, {})
+        return StepSample(sampler(_masked(structured, logits, batch.matchers), batch.requests), {}, {}, {})
     plain_rows = [i for i, r in enumerate(batch.requests) if r.request_id not in drafts]
-    parts = [structured.apply(logits[plain_rows], [batch.matchers[i] for i in plain_rows])] if plain_rows else []
+    parts = [_masked(structured, logits[plain_rows], [batch.matchers[i] for i in plain_rows])] if plain_rows else []
     rows: list[Any] = [batch.requests[i] for i in plain_rows]
     spans: list[tuple[int, int]] = []  # per speculating row: (its first position row, its usable drafts)
     for i in spec_rows:
@@ -90,11 +90,17 @@ def sample_step(
     return result
 
 
+def _masked(structured: StructuredOutputs | None, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+    """`logits` [R, V] masked by each row's grammar; as they are where the engine has no structured outputs."""
+    return logits if structured is None else structured.apply(logits, matchers)
+
+
 def _put(dst: SamplerOutput, i: int, src: SamplerOutput, j: int) -> None:
     dst.token_ids[i], dst.logprobs[i], dst.top_logprobs[i] = src.token_ids[j], src.logprobs[j], src.top_logprobs[j]
 
 
-def _mask_positions(structured: StructuredOutputs, positions: torch.Tensor, matcher: Any, drafts: list[int]) -> int:
+def _mask_positions(structured: StructuredOutputs | None, positions: torch.Tensor, matcher: Any,
+                    drafts: list[int]) -> int:
     """Mask each position row of `positions` [k + 1, V] in place with the grammar state after the drafts
     before it; returns how many drafts the grammar allows (the positions after a disallowed draft, whose p
     is 0, cannot be reached). The matcher is rolled back to where it was."""
@@ -104,7 +110,7 @@ def _mask_positions(structured: StructuredOutputs, positions: torch.Tensor, matc
     for t in range(len(drafts) + 1):
         if matcher.is_terminated():
             break  # the sequence ends with the draft before: this position's draw is never output
-        positions[t : t + 1] = structured.apply(positions[t : t + 1], [matcher])
+        positions[t : t + 1] = _masked(structured, positions[t : t + 1], [matcher])
         if t == len(drafts) or not matcher.accept_token(drafts[t]):
             break
         advanced += 1
