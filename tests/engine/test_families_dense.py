@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import ModelArchConfig, UnsupportedModelError
 from pagedserve.backend.model.quantized import QuantizedLinear, quantize_weight
 from pagedserve.kernels.rope.cos_sin import compute_cos_sin_cache
-from safetensors.torch import load_file, save_file
-
 from pagedserve.testing import make_tiny_model
-from tests.engine import test_quant_formats as quant_formats_tests
 from tests.support.engines import cpu_engine
 from tests.support.parity import assert_staggered_batch_matches_transformers, parity_prompts
+from tests.support.quant_checkpoints import write_quantized_checkpoint
 
 # Every parity prompt (5 tokens and more) is longer than this original context, so transformers runs each one
 # with the long factors from its prefill on, as the engine does for a context past the original.
@@ -141,10 +141,10 @@ def test_int8_on_the_fly_quantizes_every_projection_and_stays_close_to_its_dequa
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_phi3_quantized_checkpoint_with_fused_projections_serves_like_its_dequantized_twin(
-        tiny_phi3_longrope_path, tmp_path, monkeypatch, method):
+        tiny_phi3_longrope_path, tmp_path, method):
     # Phi-3's quantized projections are its fused qkv_proj / gate_up_proj modules themselves.
-    monkeypatch.setattr(quant_formats_tests, "PROJECTIONS", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-    path = quant_formats_tests._write_checkpoint(tiny_phi3_longrope_path, tmp_path / "model", method, 4, 32)
+    path = write_quantized_checkpoint(tiny_phi3_longrope_path, tmp_path / "model", method, 4, 32,
+                                      projections=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     engine, twin = cpu_engine(path, num_blocks=32), cpu_engine(path.with_suffix(".ref"), num_blocks=32)
     assert sum(isinstance(m, QuantizedLinear) for m in engine.runner.model.modules()) == 4 * 2
     ref = load_file(str(path.with_suffix(".ref") / "model.safetensors"))

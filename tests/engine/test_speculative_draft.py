@@ -10,9 +10,8 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.testing import make_tiny_model
-from tests.engine.test_speculative import PROMPTS, assert_same, assert_speculated_and_all_free, run
-from tests.engine.test_speculative_sampled import all_outputs
 from tests.support.engines import cpu_engine, greedy
+from tests.support.speculation import PROMPTS, all_outputs, assert_same, assert_speculated_and_all_free, run
 
 SETTINGS = {"block_size": 4, "num_blocks": 128, "max_model_len": 256}
 

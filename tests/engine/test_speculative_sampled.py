@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -13,9 +14,15 @@ from pagedserve.backend.engine.request_group import StepBatch
 from pagedserve.backend.engine.spec_verify import sample_step
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.worker.sampler import Sampler
-
-from tests.engine.test_speculative import PROMPTS, assert_same, assert_speculated_and_all_free, run, spec
 from tests.support.engines import cpu_engine
+from tests.support.speculation import (
+    PROMPTS,
+    all_outputs,
+    assert_same,
+    assert_speculated_and_all_free,
+    run,
+    spec,
+)
 
 SETTINGS = {"block_size": 4, "num_blocks": 128, "max_model_len": 256}
 
@@ -34,18 +41,6 @@ PARAMS = [
     sampled(6, min_tokens=20, ignore_eos=False),
     sampled(7, logit_bias={7: 3.0, 12: 2.0}, allowed_token_ids=list(range(3, 60))),
 ]
-
-
-def all_outputs(engine, prompts, params):
-    """Every sequence of every request (n > 1 too): {request id: [completions]}."""
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", None, p, prompt_token_ids=prompt)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out.outputs
-    return final
 
 
 @pytest.fixture(scope="module")

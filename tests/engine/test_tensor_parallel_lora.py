@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.lora import load_lora_adapter
 from pagedserve.backend.model.sharding import shard_lora_pair
 from pagedserve.backend.worker.parallel import LoRAPlan
-
 from pagedserve.testing import make_lora_adapter, make_tiny_model
-from tests.engine.test_lora import ATTENTION_AND_DOWN, PeftReference, run_with_a_late_repeat
 from tests.support.engines import cpu_engine, greedy, run_to_end
+from tests.support.lora import ATTENTION_AND_DOWN, PeftReference, run_with_a_late_repeat
 
 TP2 = {"tensor_parallel_size": 2, "cpu_threads": 1}
 MAX_NEW_TOKENS = 6

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels import native
 from pagedserve.kernels.attention import cpu as attention_cpu
-
-from .checks import needs_native
-from .test_attention import (
+from tests.support.paged_attention import (
     BF16_TOL,
     DECODES,
     FP32_TOL,
@@ -16,6 +15,8 @@ from .test_attention import (
     make_batch,
     per_sequence_attention,
 )
+
+from .checks import needs_native
 
 
 @needs_native

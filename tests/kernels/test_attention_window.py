@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels.attention import cpu as attention_cpu
 from pagedserve.kernels.attention import reference
 from pagedserve.kernels.attention import triton as attention_triton
+from tests.support.paged_attention import BF16_TOL, DECODES, FP32_TOL, MIXED, PagedBatch, make_batch
 
 from .checks import compile_for_sm90, needs_native
-from .test_attention import BF16_TOL, DECODES, FP32_TOL, MIXED, PagedBatch, make_batch
 
 # Windows below, at and across block and tile edges, one of a single key, one wider than every context.
 WINDOWS = [1, 5, 16, 33, 1000]
@@ -204,7 +205,6 @@ def test_gemma2_engine_on_triton_kernels_matches_transformers_greedy(tmp_path, m
     from pagedserve.backend.core.sampling_params import SamplingParams
     from pagedserve.backend.engine.llm_engine import LLMEngine
     from pagedserve.kernels.activation import triton as activation_triton
-
     from pagedserve.testing import make_tiny_model
 
     from .checks import spy

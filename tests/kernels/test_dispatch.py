@@ -6,6 +6,8 @@ import types
 
 import pytest
 import torch
+
+from pagedserve import kernels
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.activation import cpu as activation_cpu
 from pagedserve.kernels.activation import reference as activation_reference
@@ -19,11 +21,9 @@ from pagedserve.kernels.norm import triton as norm_triton
 from pagedserve.kernels.rope import cpu as rope_cpu
 from pagedserve.kernels.rope import reference as rope_reference
 from pagedserve.kernels.sampling import cpu as sampling_cpu
-
-from pagedserve import kernels
+from tests.support.paged_attention import DECODES, FP32_TOL, MIXED, make_batch, per_sequence_attention
 
 from .checks import needs_native, spy
-from .test_attention import DECODES, FP32_TOL, MIXED, make_batch, per_sequence_attention
 
 CUDA_TENSOR = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))  # all backend_for reads
 
