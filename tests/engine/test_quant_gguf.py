@@ -1,5 +1,6 @@
 """GGUF served natively: Q8_0 / Q4_0 / Q4_1 unpacked bit-exactly into the int8 / int4 layouts, the engine on a GGUF
-against its dequantized fp32 twin, unsupported types and truncated files refused cleanly."""
+against its dequantized fp32 twin, unsupported types and truncated files refused cleanly (the other block formats:
+test_gguf_blocks.py and test_gguf_kquants.py)."""
 
 from __future__ import annotations
 
@@ -73,16 +74,20 @@ def test_bf16_tensors_load_as_they_are(tmp_path):
     assert torch.equal(gguf_file.unpack(tensor), values)
 
 
-def test_a_k_quant_tensor_is_refused_naming_the_tensor_and_its_type(tmp_path):
-    raw = _zero_k_quant(2)
-    tensor = _write(tmp_path / "k.gguf", "blk.1.ffn_down.weight", raw, gguf.GGMLQuantizationType.Q4_K)
-    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_down\.weight' has type Q4_K.*supported: F32, F16, BF16, Q8_0"):
+def test_an_unsupported_quantized_tensor_is_refused_naming_the_tensor_and_its_type(tmp_path):
+    raw = _zero_blocks(2)
+    tensor = _write(tmp_path / "k.gguf", "blk.1.ffn_down.weight", raw, _UNSUPPORTED)
+    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_down\.weight' has type IQ2_XXS.*supported: F32, F16, BF16, "
+                                        r"Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
         gguf_file.unpack(tensor)
 
 
-def _zero_k_quant(rows):
-    """Q4_K bytes for `rows` rows of 256 values (gguf-py has no Q4_K quantizer)."""
-    _, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q4_K]
+_UNSUPPORTED = gguf.GGMLQuantizationType.IQ2_XXS  # a grid-coded i-quant pagedserve does not unpack
+
+
+def _zero_blocks(rows):
+    """Bytes of an unsupported type for `rows` rows of 256 values."""
+    _, type_size = gguf.GGML_QUANT_SIZES[_UNSUPPORTED]
     return np.zeros((rows, type_size), dtype=np.uint8)
 
 
@@ -155,11 +160,11 @@ def test_a_truncated_gguf_fails_cleanly(tiny_gguf_model, tmp_path, fraction):
         cpu_engine(cut, num_blocks=16)
 
 
-def test_a_k_quant_model_is_refused_at_load_naming_the_tensor(tiny_tied_path, tmp_path):
-    k_quant = _zero_k_quant(128)
+def test_a_model_with_an_unsupported_tensor_type_is_refused_at_load_naming_the_tensor(tiny_tied_path, tmp_path):
+    unsupported = _zero_blocks(128)
     path = tiny_gguf.write_model_gguf(tiny_tied_path, tmp_path / "k.gguf", _quantizer,
-                                      replace={"blk.1.ffn_up.weight": (k_quant, gguf.GGMLQuantizationType.Q4_K)})
-    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up\.weight' has type Q4_K"):
+                                      replace={"blk.1.ffn_up.weight": (unsupported, _UNSUPPORTED)})
+    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up\.weight' has type IQ2_XXS"):
         load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
 
 

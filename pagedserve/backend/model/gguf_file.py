@@ -1,5 +1,6 @@
 """Read a GGUF file: its metadata as a config.json dict, and each tensor unpacked exactly into a QuantizedWeight
-(Q8_0, Q4_0, Q4_1) or a float tensor (F32, F16, BF16). Other tensor types are refused naming the tensor."""
+(the quantized types of gguf_blocks.FORMATS: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) or a float
+tensor (F32, F16, BF16). Other tensor types are refused naming the tensor."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedserve.kernels.quant_linear import QuantizedWeight, from_int_values
+from pagedserve.backend.model.gguf_blocks import FORMATS, unpack_blocks
+from pagedserve.kernels.quant_linear import QuantizedWeight
 
 # GGUF general.architecture -> the Hugging Face architecture it loads as, and whether llama.cpp's converter
 # permuted the Q/K rows of each head (llama does, qwen2 does not).
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
-_BLOCK = 32  # values per block of every supported quantized type
+QUANT_TYPES = tuple(FORMATS)
 
 
 class GGUFError(ValueError):
@@ -108,7 +109,7 @@ def tensors(path: str | Path) -> dict[str, Any]:
 
 
 def unpack(tensor: Any) -> QuantizedWeight | torch.Tensor:
-    """A tensor exactly as stored: Q8_0 / Q4_0 / Q4_1 as a QuantizedWeight in groups of 32, floats as float."""
+    """A tensor exactly as stored: a quantized type as a QuantizedWeight (gguf_blocks.py), floats as float."""
     kind = tensor.tensor_type.name
     if kind in FLOAT_TYPES:
         data = np.array(tensor.data)  # a copy: the memory map is read-only
@@ -118,23 +119,15 @@ def unpack(tensor: Any) -> QuantizedWeight | torch.Tensor:
     if kind not in QUANT_TYPES:
         raise GGUFError(f"GGUF tensor {tensor.name!r} has type {kind}, which pagedserve does not load; supported: "
                         f"{', '.join(FLOAT_TYPES + QUANT_TYPES)} (re-quantize the file to one of them)")
-    rows, cols = _shape(tensor)
-    blocks = torch.from_numpy(np.array(tensor.data)).view(rows, cols // _BLOCK, -1)
-    scales = _half(blocks[..., 0:2])
-    if kind == "Q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
-        return from_int_values(q, scales, None, 8, _BLOCK)
-    offsets = _half(blocks[..., 2:4]) if kind == "Q4_1" else -8 * scales.float()
-    nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
-    # A block's byte j holds value j in its low nibble and value j + 16 in its high nibble.
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(rows, cols)
-    return from_int_values(q, scales, offsets, 4, _BLOCK)
+    shape = _shape(tensor)
+    if len(shape) != 2:
+        raise GGUFError(f"GGUF tensor {tensor.name!r} of type {kind} has shape {shape}; quantized tensors must be 2-D")
+    try:
+        return unpack_blocks(kind, torch.from_numpy(np.array(tensor.data)), *shape)
+    except ValueError as error:
+        raise GGUFError(f"GGUF tensor {tensor.name!r}: {error}") from None
 
 
 def _shape(tensor: Any) -> tuple[int, ...]:
     """Rows first (GGUF lists the dimensions innermost first)."""
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
-
-
-def _half(pair: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float16
-    return pair.contiguous().view(torch.float16).squeeze(-1)

@@ -1,0 +1,81 @@
+"""Every GGUF block format pagedserve serves unpacks to exactly what gguf's own dequantizer gives, on random blocks:
+the integers, scales and offsets it keeps reproduce each stored value bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.backend.model import gguf_blocks
+
+# Byte offsets of each format's fp16 fields (d, dmin): random bytes there could be inf or NaN.
+_HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def random_blocks(kind: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
+    """Random bytes for [rows, blocks_per_row] blocks of `kind`, with finite fp16 scales of either sign."""
+    rng = np.random.default_rng(seed)
+    size = gguf_blocks.FORMATS[kind][1]
+    raw = rng.integers(0, 256, (rows, blocks_per_row, size), dtype=np.uint8)
+    for at in _HALF_FIELDS[kind]:
+        d = rng.uniform(-4, 4, (rows, blocks_per_row, 1)) * 10.0 ** rng.integers(-6, 3, (rows, blocks_per_row, 1))
+        raw[..., at:at + 2] = d.astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_the_formats_table_agrees_with_ggml_s_block_sizes():
+    for kind, (values, size, _) in gguf_blocks.FORMATS.items():
+        assert gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, kind)] == (values, size)
+
+
+@pytest.mark.parametrize("kind", list(gguf_blocks.FORMATS))
+def test_unpacked_blocks_dequantize_bit_for_bit_as_gguf_does(kind):
+    values = gguf_blocks.FORMATS[kind][0]
+    rows, per_row = 7, 3
+    raw = random_blocks(kind, rows, per_row, seed=len(kind) * 31 + values)
+    weight = gguf_blocks.unpack_blocks(kind, torch.from_numpy(raw), rows, per_row * values)
+    want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind))
+    got = weight.dequantize().numpy()
+    assert got.shape == want.shape == (rows, per_row * values)
+    if kind == "Q4_0":  # kept as q * d - 8d (int4 with offsets): (q - 8) * d's zeros may differ in sign only
+        assert np.array_equal(got, want)
+    else:
+        assert np.array_equal(got.view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize(("kind", "bits", "group_size", "offsets"), [
+    ("Q2_K", 4, 16, True), ("Q3_K", 8, 16, False), ("Q4_K", 4, 32, True), ("Q5_K", 8, 32, True),
+    ("Q6_K", 8, 16, False), ("IQ4_NL", 8, 32, False), ("IQ4_XS", 8, 32, False), ("Q5_0", 8, 32, False),
+    ("Q5_1", 8, 32, True)])
+def test_each_format_keeps_its_sub_blocks_as_groups_and_its_integers_in_the_narrowest_layout(kind, bits, group_size,
+                                                                                             offsets):
+    values = gguf_blocks.FORMATS[kind][0]
+    raw = random_blocks(kind, 2, 256 // values, seed=1)
+    weight = gguf_blocks.unpack_blocks(kind, torch.from_numpy(raw), 2, 256)
+    assert (weight.bits, weight.group_size, weight.offsets is not None) == (bits, group_size, offsets)
+    assert weight.scales.dtype in (torch.float16, torch.float32)
+
+
+def test_q6_k_integers_and_scales_are_the_stored_ones():
+    """One hand-built Q6_K block: value i of sub-block s is d * scale[s] * (q[i] - 32)."""
+    q = np.arange(256) % 64
+    scales = (np.arange(16) - 8).astype(np.int8)
+    ql = np.zeros(128, np.uint8)
+    qh = np.zeros(64, np.uint8)
+    for i, v in enumerate(q):  # ggml's order: halves of 128, low nibbles of 64-byte runs, 2-bit highs of 32
+        half, j = divmod(i, 128)
+        ql[half * 64 + j % 64] |= (v & 15) << (4 * (j // 64))
+        qh[half * 32 + j % 32] |= (v >> 4) << (2 * (j // 32))
+    raw = np.concatenate([ql, qh, scales.view(np.uint8), np.array([0.5], np.float16).view(np.uint8)])[None]
+    weight = gguf_blocks.unpack_blocks("Q6_K", torch.from_numpy(raw), 1, 256)
+    assert torch.equal(weight.int_values()[0], torch.from_numpy(q - 32).to(torch.int32))
+    assert torch.equal(weight.scales[0], torch.from_numpy(0.5 * scales.astype(np.float32)))
+
+
+def test_data_that_does_not_fill_the_shape_is_refused():
+    raw = random_blocks("Q4_K", 2, 1, seed=0)
+    with pytest.raises(ValueError, match=r"does not hold \[3, 256\]"):
+        gguf_blocks.unpack_blocks("Q4_K", torch.from_numpy(raw), 3, 256)
