@@ -15,7 +15,7 @@ from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import Scheduler
 from pagedserve.backend.engine.core import CoreStep, EngineCore
 from pagedserve.backend.engine.output_processor import OutputProcessor
-from pagedserve.backend.engine.spec_verify import StepSample
+from pagedserve.backend.engine.spec_decode import StepSample
 from pagedserve.backend.model import load_tokenizer
 from pagedserve.backend.worker.model_runner import ModelRunnerOutput
 from pagedserve.backend.worker.sampler import SamplerOutput

@@ -11,7 +11,7 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.outputs import CompletionOutput
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
-from pagedserve.backend.engine.speculative import ngram_lookup
+from pagedserve.backend.engine.spec_decode import ngram_lookup
 from pagedserve.backend.triton.settings import engine_arguments
 from tests.support.engines import cpu_engine, greedy
 from tests.support.speculation import PROMPTS, assert_same, assert_speculated_and_all_free, run, spec

@@ -22,8 +22,7 @@ from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.lora import scheduler_lora_args
 from pagedserve.backend.engine.request_group import StepBatch
-from pagedserve.backend.engine.spec_draft import make_speculator
-from pagedserve.backend.engine.spec_verify import StepSample, sample_step
+from pagedserve.backend.engine.spec_decode import StepSample, make_speculator, sample_step
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.worker.model_runner import ModelRunnerOutput
 from pagedserve.backend.worker.sampler import Sampler

@@ -1,18 +1,16 @@
 """N-gram (prompt-lookup) speculative decoding, exact for greedy and sampled requests: drafts come from each
-sequence's own tokens, the target model scores all of them in the step's one forward, and spec_verify keeps
+sequence's own tokens, the target model scores all of them in the step's one forward, and verify.py keeps
 the longest run the target's own sampling agrees with, plus its next token."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from pagedserve.backend.core.config import SpeculativeConfig
 from pagedserve.backend.core.request import Request, RequestStatus
-from pagedserve.backend.engine.request_group import SequenceState
-from pagedserve.backend.engine.spec_verify import Run
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -45,7 +43,7 @@ def can_speculate(request: Request) -> bool:
 
 
 class NgramSpeculator:
-    """Proposes drafts before each schedule() (spec_verify samples them); counts them with vLLM's names."""
+    """Proposes drafts before each schedule() (verify.py samples them); counts them with vLLM's names."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
@@ -99,19 +97,3 @@ class NgramSpeculator:
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
         }
-
-
-def record_run(
-    seq: SequenceState, run: Run,
-    record: Callable[[SequenceState, int, float, dict[int, float] | None], RequestStatus | None],
-) -> RequestStatus | None:
-    """Record a verified run token by token, as if each had been sampled alone; stop where one stops it
-    (the tokens after it are dropped). The scheduler appended the whole run, so it is taken off first."""
-    request = seq.request
-    del request.output_token_ids[-len(run) :], request.all_token_ids[-len(run) :]
-    for token, logprob, top in run:
-        request.append_output_token_id(token)
-        status = record(seq, token, logprob, top)
-        if status is not None:
-            return status
-    return None

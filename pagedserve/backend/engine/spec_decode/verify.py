@@ -8,15 +8,16 @@ sampling would use there, so seeded outputs equal those without speculation."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagedserve.backend.core.request import RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import SchedulerOutput
-from pagedserve.backend.engine.request_group import StepBatch
+from pagedserve.backend.engine.request_group import SequenceState, StepBatch
 from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.worker.sampler import Sampler, SamplerOutput
 
@@ -138,3 +139,19 @@ def _rewind(sampler: Sampler, request_id: str, state: torch.Tensor | None, num_u
     gen.set_state(state)
     for _ in range(num_used):
         torch.rand(1, generator=gen, device=gen.device, dtype=torch.float64)
+
+
+def record_run(
+    seq: SequenceState, run: Run,
+    record: Callable[[SequenceState, int, float, dict[int, float] | None], RequestStatus | None],
+) -> RequestStatus | None:
+    """Record a verified run token by token, as if each had been sampled alone; stop where one stops it
+    (the tokens after it are dropped). The scheduler appended the whole run, so it is taken off first."""
+    request = seq.request
+    del request.output_token_ids[-len(run) :], request.all_token_ids[-len(run) :]
+    for token, logprob, top in run:
+        request.append_output_token_id(token)
+        status = record(seq, token, logprob, top)
+        if status is not None:
+            return status
+    return None

@@ -1,5 +1,5 @@
 """Draft-model speculation: a small model with the target's tokenizer proposes each sequence's next tokens
-greedily (a point mass, so spec_verify's verification stays exact for every request). It runs through its
+greedily (a point mass, so verify.py's verification stays exact for every request). It runs through its
 own ModelRunner on a KV cache indexed by the target's block ids: it executes every target step too, so a
 block holds the draft's KV for the same tokens as the target's, and allocation, freeing, preemption and
 prefix hits need nothing of their own. Proposal steps write past the computed tokens into scratch blocks
@@ -17,7 +17,7 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedserve.backend.engine.speculative import NgramSpeculator, can_speculate
+from pagedserve.backend.engine.spec_decode.ngram import NgramSpeculator, can_speculate
 from pagedserve.backend.worker.model_runner import ModelRunner
 
 
@@ -29,15 +29,6 @@ class _DraftView:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     all_token_ids: list[int]
-
-
-def make_speculator(config: Any, engine: Any) -> NgramSpeculator | None:
-    """The engine's proposer for `config` (a SpeculativeConfig, or None: no speculation)."""
-    if config is None:
-        return None
-    if config.method == "draft_model":
-        return DraftModelSpeculator(config, engine)
-    return NgramSpeculator(config, engine.scheduler_config.max_model_len)
 
 
 class DraftModelSpeculator(NgramSpeculator):
