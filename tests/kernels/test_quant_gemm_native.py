@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels import native
 from pagedserve.kernels import quant_linear as ql
 from pagedserve.kernels.quant_linear import cpu, native_gemm, reference
@@ -12,8 +13,9 @@ from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 pytestmark = pytest.mark.skipif(native.load() is None, reason="no native CPU kernels (no compiler)")
 
 # (bits, group_size or None for one per channel, offsets)
+# Groups of 16: GGUF's Q6_K / Q3_K (int8, no offsets) and Q2_K (int4 with offsets) sub-blocks.
 LAYOUTS = [(8, 32, False), (8, None, False), (8, 32, True), (4, 32, True), (4, 32, False), (4, 128, True),
-           (4, 128, False)]
+           (4, 128, False), (8, 16, False), (8, 16, True), (4, 16, True)]
 
 
 def _weight(n: int, k: int, bits: int, group_size: int | None, offsets: bool, half: bool,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels import quant_linear as ql
-from pagedserve.kernels.quant_linear import cpu, reference
+from pagedserve.kernels.quant_linear import cpu, layout, reference
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 
 from .checks import compile_for_sm90
@@ -48,6 +49,20 @@ def test_dequantize_is_exactly_integers_times_scales_plus_offsets():
     q8 = ql.from_int_values(torch.tensor([[-128, 127, 3]]), torch.tensor([[0.125]]), None, 8, 3)
     assert q8.dequantize().tolist() == [[-16.0, 15.875, 0.375]]
     assert q8.dequantize(rows=torch.tensor([0, 0])).shape == (2, 3)
+
+
+def test_fused_parts_with_different_groups_split_into_the_smallest_exactly():
+    """GGUF Q4_K_M fuses Q4_K (int4, groups of 32, offsets) with Q6_K (int8, groups of 16, none) in one qkv."""
+    q4 = _weight(8, 64, 4, 32, offsets=True, seed=1)
+    q6 = _weight(5, 64, 8, 16, offsets=False, seed=2)
+    fused = layout.concat_rows([q4, q6])
+    assert (fused.bits, fused.group_size, fused.num_groups) == (8, 16, 4)
+    assert torch.equal(fused.dequantize(), torch.cat([q4.dequantize(), q6.dequantize()]))
+    assert torch.equal(layout.regroup(q4, 8).dequantize(), q4.dequantize())
+    with pytest.raises(ValueError, match="same group size"):
+        layout.concat_rows([_weight(4, 96, 4, 32, offsets=True), _weight(4, 96, 4, 48, offsets=True)])
+    with pytest.raises(ValueError, match="same input width"):
+        layout.concat_rows([q4, _weight(4, 96, 4, 32, offsets=True)])
 
 
 def test_a_weight_of_the_wrong_shape_or_dtype_is_refused():
@@ -163,7 +178,7 @@ def test_a_per_channel_int8_weight_is_served_from_its_own_tensor_and_kept(torch_
     assert w.qweight is not None
 
 
-TRITON_CASES = [(8, 263, None), (8, 263, 32), (4, 97, 32), (4, 263, 128), (4, 97, 16)]
+TRITON_CASES = [(8, 263, None), (8, 263, 32), (4, 97, 32), (4, 263, 128), (4, 97, 16), (8, 256, 16)]
 
 
 @pytest.mark.parametrize("m", M_ROWS)

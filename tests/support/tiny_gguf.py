@@ -8,8 +8,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from pagedserve.kernels.quant_linear import QuantizedWeight
 from safetensors.torch import load_file, save_file
+
+from pagedserve.kernels.quant_linear import QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 BLOCK = 32

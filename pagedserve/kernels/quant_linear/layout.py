@@ -163,12 +163,32 @@ def select_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
                            weight.in_features)
 
 
+def regroup(weight: QuantizedWeight, group_size: int) -> QuantizedWeight:
+    """The same weight with groups of `group_size`, which divides its own (each group's scale and offset repeated:
+    exact)."""
+    if weight.group_size == group_size:
+        return weight
+    if weight.group_size % group_size or weight.in_features % weight.group_size:
+        raise ValueError(f"groups of {weight.group_size} over {weight.in_features} columns do not split into groups "
+                         f"of {group_size}")
+    times = weight.group_size // group_size
+    offsets = None if weight.offsets is None else weight.offsets.repeat_interleave(times, dim=1)
+    return QuantizedWeight(weight.canonical_qweight(), weight.scales.repeat_interleave(times, dim=1), offsets,
+                           weight.bits, group_size, weight.in_features)
+
+
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """One weight whose rows are each weight's in turn (a fused projection); int4 parts widen to int8 when the
-    bits differ (the same values, scales and offsets), scales and offsets to fp32 when their dtypes differ."""
+    bits differ (the same values, scales and offsets), scales and offsets to fp32 when their dtypes differ, and
+    larger groups split into the smallest part's when it divides them (GGUF Q4_K_M mixes groups of 32 and 16)."""
+    if any(w.in_features != weights[0].in_features for w in weights):
+        raise ValueError(f"fused parts need the same input width: {[w.in_features for w in weights]}")
+    smallest = min(w.group_size for w in weights)
+    if all(w.group_size % smallest == 0 and w.in_features % w.group_size == 0 for w in weights):
+        weights = [regroup(w, smallest) for w in weights]
     first = weights[0]
-    if any((w.group_size, w.in_features) != (first.group_size, first.in_features) for w in weights):
-        raise ValueError("fused parts need the same group size and input width: "
+    if any(w.group_size != first.group_size for w in weights):
+        raise ValueError("fused parts need the same group size (or whole groups that the smallest divides): "
                          f"{[(w.group_size, w.in_features) for w in weights]}")
     bits = max(w.bits for w in weights)
     any_offsets = any(w.offsets is not None for w in weights)
