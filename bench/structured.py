@@ -78,7 +78,7 @@ class StepTimes:
 @contextmanager
 def timing(engine: Any) -> Iterator[StepTimes]:
     """Time engine.structured.apply, every matcher's accept_token and the sampler while the block runs."""
-    from pagedserve.backend.engine.structured import GrammarState
+    from pagedserve.backend.structured import GrammarState
 
     times = StepTimes()
     sampler_class = type(engine.sampler)  # called as engine.sampler(...): __call__ is looked up on the class
@@ -163,7 +163,7 @@ def time_mask(structured: Any, grammar: Any, token_ids: list[int], rows: int, vo
     xgrammar's own CPU masking of the same bitmask, for comparison."""
     import xgrammar
 
-    from pagedserve.backend.worker.grammar_mask import mask_logits
+    from pagedserve.backend.structured import mask_logits
 
     matchers = [structured.matcher(grammar) for _ in range(rows)]
     logits = torch.randn(rows, vocab_size)

@@ -12,7 +12,7 @@ from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.backend.engine.request_group import StepBatch
 from pagedserve.backend.engine.spec_decode import sample_step
-from pagedserve.backend.engine.structured import StructuredOutputs
+from pagedserve.backend.structured import StructuredOutputs
 from pagedserve.backend.worker.sampler import Sampler
 from tests.support.engines import cpu_engine
 from tests.support.speculation import (

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
-from pagedserve.backend.engine.structured import no_control_words
+from pagedserve.backend.structured import no_control_words
 
 from tests.support.engines import cpu_engine
 

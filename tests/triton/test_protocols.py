@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.backend.engine.llm_engine import LLMEngine
-from pagedserve.backend.engine.structured import StructuredOutputs
+from pagedserve.backend.structured import StructuredOutputs
 from pagedserve.backend.triton import protocols
 
 

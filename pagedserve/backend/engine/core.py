@@ -23,7 +23,7 @@ from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.lora import scheduler_lora_args
 from pagedserve.backend.engine.request_group import StepBatch
 from pagedserve.backend.engine.spec_decode import StepSample, make_speculator, sample_step
-from pagedserve.backend.engine.structured import StructuredOutputs
+from pagedserve.backend.structured import StructuredOutputs
 from pagedserve.backend.worker.model_runner import ModelRunnerOutput
 from pagedserve.backend.worker.sampler import Sampler
 from pagedserve.backend.worker.tp_workers import start_runner

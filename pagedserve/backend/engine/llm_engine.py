@@ -42,8 +42,8 @@ from pagedserve.backend.engine.input_processing import (
 )
 from pagedserve.backend.engine.lora import LoRARegistry
 from pagedserve.backend.engine.output_processor import OutputProcessor
-from pagedserve.backend.engine.structured import StructuredOutputs
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
+from pagedserve.backend.structured import StructuredOutputs
 from pagedserve.backend.worker.model_runner import ModelRunner
 from pagedserve.backend.worker.sampler import Sampler
 

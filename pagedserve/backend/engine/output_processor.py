@@ -21,7 +21,7 @@ from pagedserve.backend.engine.core import CoreStep
 from pagedserve.backend.engine.detokenizer import Tokenizer
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
 from pagedserve.backend.engine.spec_decode import Run, record_run
-from pagedserve.backend.engine.structured import StructuredOutputs
+from pagedserve.backend.structured import StructuredOutputs
 from pagedserve.backend.worker.model_runner import ModelRunnerOutput
 from pagedserve.backend.worker.sampler import SamplerOutput
 

@@ -18,7 +18,7 @@ from pagedserve.backend.core.request import RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import SchedulerOutput
 from pagedserve.backend.engine.request_group import SequenceState, StepBatch
-from pagedserve.backend.engine.structured import StructuredOutputs
+from pagedserve.backend.structured import StructuredOutputs
 from pagedserve.backend.worker.sampler import Sampler, SamplerOutput
 
 # A verified run of one sequence: (token id, its logprob, top logprobs), in output order.

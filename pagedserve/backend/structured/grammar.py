@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from pagedserve.backend.core.errors import InvalidRequestError
-from pagedserve.backend.engine.detokenizer import Tokenizer
-from pagedserve.backend.worker.grammar_mask import mask_logits
+from pagedserve.backend.structured.mask import mask_logits
 
 MAX_CACHED_GRAMMARS = 256
 # Test hook: a spec whose JSON holds `StructuredOutputs.slow_marker` (the llm model's fault marker) compiles
@@ -41,9 +40,10 @@ class GrammarState:
 
 
 class StructuredOutputs:
-    """The engine's grammar compiler and its cache; xgrammar is imported on first use."""
+    """The engine's grammar compiler and its cache over a Hugging Face `tokenizer`'s vocabulary; xgrammar is
+    imported on first use."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: set[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int]):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)

@@ -1,4 +1,4 @@
-"""The worker's side of structured outputs: a host bitmask of the grammar rows, applied on the logits' device."""
+"""Applying a step's grammar bitmask: a host bitmask of the grammar rows, applied on the logits' device."""
 
 from __future__ import annotations
 
