@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagedserve.backend.core.config import (
@@ -77,8 +77,6 @@ class LLMEngine:
         self.lora = LoRARegistry(lora_config, self.runner.lora)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.structured,
                                       self.core.release)
-        # Test hook: called with the SchedulerOutput before each forward; raising fails that step's requests.
-        self.fault_injector: Callable[[SchedulerOutput], None] | None = None
         self._id_counter = itertools.count()
         self.lora.load_modules(lora_modules)
 
@@ -222,8 +220,6 @@ class LLMEngine:
     def _run(self, sched: SchedulerOutput) -> None:
         """Execute a scheduled step and record its tokens; a failure ends the step's requests with an error."""
         try:
-            if self.fault_injector is not None:
-                self.fault_injector(sched)
             self.output.process(self.core.execute(sched, self.output.claim_rows))
         except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
             logger.exception("step failed; ending its %d requests with an error", len(sched.scheduled))

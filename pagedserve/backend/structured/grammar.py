@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -17,9 +16,6 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.structured.mask import mask_logits
 
 MAX_CACHED_GRAMMARS = 256
-# Test hook: a spec whose JSON holds `StructuredOutputs.slow_marker` (the llm model's fault marker) compiles
-# this much later, standing in for a large schema on a real vocabulary.
-SLOW_MARKER_DELAY_SECONDS = 2.0
 _JSON_KINDS = ("json", "json_object")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -53,7 +49,6 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self.slow_marker = ""
 
     def _xgr(self) -> Any:
         import xgrammar
@@ -95,8 +90,6 @@ class StructuredOutputs:
         return future
 
     def _compile_entry(self, spec: dict) -> tuple[Any, bool]:
-        if self.slow_marker and self.slow_marker in json.dumps(spec):
-            time.sleep(SLOW_MARKER_DELAY_SECONDS)
         try:
             return self._compile(spec), next(iter(spec)) in _JSON_KINDS
         except InvalidRequestError:
