@@ -9,21 +9,11 @@ import pytest
 import torch
 
 from pagedserve.backend.model import gguf_blocks
-
-# Byte offsets of each format's fp16 fields (d, dmin): random bytes there could be inf or NaN.
-_HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+from tests.support import tiny_gguf
 
 
 def random_blocks(kind: str, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
-    """Random bytes for [rows, blocks_per_row] blocks of `kind`, with finite fp16 scales of either sign."""
-    rng = np.random.default_rng(seed)
-    size = gguf_blocks.FORMATS[kind][1]
-    raw = rng.integers(0, 256, (rows, blocks_per_row, size), dtype=np.uint8)
-    for at in _HALF_FIELDS[kind]:
-        d = rng.uniform(-4, 4, (rows, blocks_per_row, 1)) * 10.0 ** rng.integers(-6, 3, (rows, blocks_per_row, 1))
-        raw[..., at:at + 2] = d.astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
+    return tiny_gguf.random_blocks(kind, rows, blocks_per_row * gguf_blocks.FORMATS[kind][0], seed)
 
 
 def test_the_formats_table_agrees_with_ggml_s_block_sizes():

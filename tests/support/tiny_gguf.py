@@ -69,6 +69,85 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
+# Byte offsets of each block format's fp16 fields (d, dmin): random bytes there could be inf or NaN.
+HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int, rms: float | None = None) -> np.ndarray:
+    """Random valid [rows, cols] bytes of GGUF type `kind`: random integers and sub-block scales, finite fp16 d
+    (and dmin) of either sign, scaled so the values' root mean square is about `rms` when given."""
+    rng = np.random.default_rng(seed)
+    qtype = getattr(Q, kind)
+    values, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = cols // values
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    halves = {at: rng.uniform(-4, 4, (rows, blocks, 1)) * 10.0 ** rng.integers(-6, 3, (rows, blocks, 1))
+              for at in HALF_FIELDS[kind]}
+    if rms is not None:  # every value is linear in (d, dmin): scale them together
+        for at in halves:
+            halves[at] = rng.uniform(-1, 1, (rows, blocks, 1))
+        if kind in _AFFINE_MIDDLE:
+            _center_affine(kind, raw, halves)
+        for at, d in halves.items():
+            raw[..., at:at + 2] = d.astype(np.float16).view(np.uint8)
+        got = np.sqrt(np.mean(gguf.quants.dequantize(raw.reshape(rows, -1), qtype) ** 2))
+        halves = {at: d * (rms / got) for at, d in halves.items()}
+    for at, d in halves.items():
+        raw[..., at:at + 2] = d.astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+# The affine K-quants: the middle of their integers (Q2_K 0..3, Q4_K 0..15, Q5_K 0..31).
+_AFFINE_MIDDLE = {"Q2_K": 1.5, "Q4_K": 7.5, "Q5_K": 15.5}
+
+
+def _center_affine(kind: str, raw: np.ndarray, halves: dict[int, np.ndarray]) -> None:
+    """Each sub-block's min set to its scale and dmin to d times the integers' middle, so values lie about zero
+    (random mins would give each sub-block a large mean of its own)."""
+    if kind == "Q2_K":  # a byte per sub-block: the scale in the low nibble, the min in the high
+        raw[..., :16] = (raw[..., :16] & 15) * 17
+    else:  # Q4_K / Q5_K: scale bytes 4..7 and low nibbles of 12..15, min bytes 8..11 and high nibbles
+        raw[..., 8:12] = raw[..., 4:8]
+        raw[..., 12:16] = (raw[..., 12:16] & 15) * 17
+    d_at, dmin_at = HALF_FIELDS[kind]
+    halves[dmin_at] = halves[d_at] * _AFFINE_MIDDLE[kind]
+
+
+def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metadata: dict | None = None) -> Path:
+    """The tiny HF model in `folder` as a llama GGUF at `out` whose 2-D tensors are random valid blocks of the type
+    `kind_of(gguf_name)` gives (None: the float weight as it is), each row's values near the float weight's scale.
+    Writes the twin checkpoint of the dequantized fp32 weights beside it (`out`.ref/); `metadata` overrides
+    config keys in the file's metadata only (to make it contradict its tensors)."""
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(out), "llama")
+    _write_metadata(writer, {**config, **(metadata or {})}, folder)
+    twin = {}
+    for i, (name, tensor) in enumerate(sorted(tensors.items())):
+        kind = kind_of(gguf_name(name)) if tensor.dim() == 2 else None
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(
+            name.split(".")[-2])
+        if kind is None:
+            twin[name] = tensor
+            writer.add_tensor(gguf_name(name), (permute_qk(tensor, heads) if heads else tensor).numpy())
+            continue
+        raw = random_blocks(kind, *tensor.shape, seed=seed * 1000 + i, rms=tensor.float().pow(2).mean().sqrt().item())
+        twin[name] = torch.from_numpy(gguf.quants.dequantize(raw, getattr(Q, kind)))
+        rows = permute_qk(torch.arange(tensor.shape[0]), heads).numpy() if heads else slice(None)
+        writer.add_tensor(gguf_name(name), raw[rows], raw_dtype=getattr(Q, kind))
+    _finish(writer)
+    _write_twin(folder, out.with_suffix(".ref"), twin)
+    return out
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_model_gguf(folder: Path, out: Path, quantize, *, replace: dict | None = None) -> Path:
     """The tiny HF model in `folder` as a llama GGUF at `out`; `quantize(name, w)` gives a QuantizedWeight or None
     (kept float) per 2-D weight; `replace` maps a GGUF tensor name to (bytes, type) written instead. Writes the
@@ -95,10 +174,7 @@ def write_model_gguf(folder: Path, out: Path, quantize, *, replace: dict | None 
             rows = permute_qk(torch.arange(weight.out_features), heads) if heads else None
             raw, kind = encode(weight if rows is None else _rows(weight, rows))
             writer.add_tensor(gguf_name(name), raw, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     _write_twin(folder, out.with_suffix(".ref"), twin)
     return out
 

@@ -69,12 +69,15 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     if arch not in ARCHITECTURES:
         raise GGUFError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
 
-    def meta(key: str, default: Any = None) -> Any:
-        return field(reader, f"{arch}.{key}", default)
+    def meta(key: str, default: Any = None, required: bool = False) -> Any:
+        value = field(reader, f"{arch}.{key}", default)
+        if required and value is None:
+            raise GGUFError(f"GGUF file {str(path)!r} lacks the metadata key {arch}.{key}")
+        return value
 
     names = {t.name for t in reader.tensors}
-    heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count", required=True))
+    hidden = int(meta("embedding_length", required=True))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
     if meta("rope.scaling.type") == "linear":
         rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
@@ -84,8 +87,8 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "architectures": [ARCHITECTURES[arch][0]],
         "vocab_size": int(meta("vocab_size", len(field(reader, "tokenizer.ggml.tokens", [])))),
         "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
+        "intermediate_size": int(meta("feed_forward_length", required=True)),
+        "num_hidden_layers": int(meta("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
         "head_dim": int(meta("attention.key_length", hidden // heads)),

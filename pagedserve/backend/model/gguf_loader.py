@@ -26,6 +26,9 @@ _LINEARS = {
     "mlp.down_proj": ("ffn_down",),
 }
 _NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+# The metadata keys (after the architecture's prefix) that decide every weight's shape.
+_SHAPE_KEYS = ("embedding_length, feed_forward_length, attention.head_count, attention.head_count_kv, "
+               "attention.key_length, vocab_size")
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int) -> LlamaForCausalLM:
@@ -39,7 +42,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
         for target, parts in _LINEARS.items():
             parent, name = target.split(".")
             names = [f"blk.{i}.{part}" for part in parts]
-            _set_linear(getattr(layer, parent), name, source.rows(names), source.bias(names), dtype, device)
+            _set_linear(getattr(layer, parent), name, source.rows(names), source.bias(names), dtype, device,
+                        [f"{n}.weight" for n in names])
         for ours, theirs in _NORMS.items():
             getattr(layer, ours).weight.data.copy_(source.float(f"blk.{i}.{theirs}.weight"))
     model.norm.weight.data.copy_(source.float("output_norm.weight"))
@@ -65,10 +69,14 @@ class _Source:
             raise GGUFError(f"GGUF file {str(self.path)!r} has no tensor {name!r}")
         self.used.add(name)
         loaded = gguf_file.unpack(self.tensors[name])
-        heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(name.split(".")[-2])
-        if self.permuted and heads:
-            rows = _unpermute_rows(loaded.shape[0] if isinstance(loaded, torch.Tensor) else loaded.out_features,
-                                   heads)
+        key = {"attn_q": "head_count", "attn_k": "head_count_kv"}.get(name.split(".")[-2])
+        if self.permuted and key:
+            heads = self.cfg.num_heads if key == "head_count" else self.cfg.num_kv_heads
+            count = loaded.shape[0] if isinstance(loaded, torch.Tensor) else loaded.out_features
+            if count % (2 * heads):
+                raise GGUFError(f"GGUF tensor {name!r} has {count} rows, which the metadata's attention.{key} "
+                                f"({heads}) does not split into heads of whole rotary pairs")
+            rows = _unpermute_rows(count, heads)
             loaded = loaded[rows] if isinstance(loaded, torch.Tensor) else select_rows(loaded, rows)
         return loaded
 
@@ -79,6 +87,9 @@ class _Source:
     def rows(self, names: list[str]) -> Loaded:
         """The named weights stacked along their rows: one QuantizedWeight when all are quantized."""
         parts = [self.get(f"{name}.weight") for name in names]
+        widths = {p.shape[1] if isinstance(p, torch.Tensor) else p.in_features for p in parts}
+        if len(widths) > 1:
+            raise GGUFError(f"GGUF tensors {[f'{name}.weight' for name in names]} have different widths {widths}")
         if all(isinstance(p, QuantizedWeight) for p in parts):
             return parts[0] if len(parts) == 1 else concat_rows(parts)
         return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
@@ -105,18 +116,20 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 
 def _set_linear(parent: nn.Module, name: str, weight: Loaded, bias: torch.Tensor | None, dtype: torch.dtype,
-                device: torch.device) -> None:
-    """Fill the nn.Linear `parent.name` with a float weight, or put a QuantizedLinear in its place."""
+                device: torch.device, tensors: list[str]) -> None:
+    """Fill the nn.Linear `parent.name` with a float weight, or put a QuantizedLinear in its place; `tensors` are
+    the GGUF tensors stacked into it (named when their shape contradicts the metadata)."""
     linear: nn.Linear = getattr(parent, name)
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (weight.out_features, weight.in_features)
+    if shape != tuple(linear.weight.shape):
+        raise GGUFError(f"GGUF tensors {', '.join(map(repr, tensors))} stack to shape {shape}, but the file's "
+                        f"metadata ({_SHAPE_KEYS}) gives {tuple(linear.weight.shape)}")
     if isinstance(weight, torch.Tensor):
-        _copy(linear.weight, weight, name)
+        linear.weight.data.copy_(weight)
         if bias is not None:
             linear.bias.data.copy_(bias)
         return
-    if (weight.out_features, weight.in_features) != tuple(linear.weight.shape):
-        raise GGUFError(f"GGUF weights for {name} have shape {(weight.out_features, weight.in_features)}, "
-                        f"expected {tuple(linear.weight.shape)}")
     setattr(parent, name, QuantizedLinear(weight.to(device), bias))
 
 
@@ -125,12 +138,14 @@ def _set_embeddings(model: LlamaForCausalLM, source: _Source, cfg: ModelArchConf
     """The token table (quantized or not) and the lm_head: its own `output.weight`, or the tied table."""
     table = source.get("token_embd.weight")
     if isinstance(table, QuantizedWeight):
+        _check_shape(model.embed_tokens.weight, table, "token_embd.weight")
         table = table.to(device)
         model.embed_tokens = QuantizedEmbedding(table, dtype)
     else:
         _copy(model.embed_tokens.weight, table, "token_embd.weight")
     head: Any = table if cfg.tie_word_embeddings else source.get("output.weight")
     if isinstance(head, QuantizedWeight):
+        _check_shape(model.lm_head.weight, head, "output.weight")
         model.lm_head = QuantizedLinear(head.to(device))
     elif cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -138,7 +153,13 @@ def _set_embeddings(model: LlamaForCausalLM, source: _Source, cfg: ModelArchConf
         _copy(model.lm_head.weight, head, "output.weight")
 
 
+def _check_shape(param: torch.Tensor, tensor: Loaded, name: str) -> None:
+    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else (tensor.out_features, tensor.in_features)
+    if shape != tuple(param.shape):
+        raise GGUFError(f"GGUF tensor {name!r} has shape {shape}, but the file's metadata ({_SHAPE_KEYS}) gives "
+                        f"{tuple(param.shape)}")
+
+
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise GGUFError(f"GGUF tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    _check_shape(param, tensor, name)
     param.data.copy_(tensor)
