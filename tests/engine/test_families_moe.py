@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
+from pagedserve import kernels
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import ModelArchConfig, UnsupportedModelError
 from pagedserve.backend.model.llama import MLP
 from pagedserve.backend.model.moe import SparseMoeBlock
 from pagedserve.backend.model.quantized import QuantizedLinear
-from safetensors.torch import load_file, save_file
-
-from pagedserve import kernels
 from pagedserve.testing import make_tiny_model
-from tests.kernels.checks import spy
 from tests.support.engines import cpu_engine, greedy
+from tests.support.kernel_checks import spy
 from tests.support.parity import assert_staggered_batch_matches_transformers, parity_prompts
 
 NUM_EXPERTS = 8

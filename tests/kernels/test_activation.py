@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels.activation import cpu, reference
 from pagedserve.kernels.activation import triton as activation_triton
-
-from .checks import assert_native_matches_reference, needs_native, triton_tol
+from tests.support.kernel_checks import assert_native_matches_reference, needs_native, triton_tol
 
 DTYPES = [torch.float32, torch.bfloat16]
 

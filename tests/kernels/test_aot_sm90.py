@@ -3,7 +3,7 @@ within the limit. Catches what the interpreter cannot (tile sizes that do not fi
 
 from __future__ import annotations
 
-from .checks import compile_for_sm90
+from tests.support.kernel_checks import compile_for_sm90
 
 # Runs in a fresh interpreter: here the kernels were decorated for TRITON_INTERPRET and cannot compile.
 _SCRIPT = """

@@ -7,6 +7,7 @@ import torch
 
 from pagedserve.kernels import native
 from pagedserve.kernels.attention import cpu as attention_cpu
+from tests.support.kernel_checks import needs_native
 from tests.support.paged_attention import (
     BF16_TOL,
     DECODES,
@@ -15,8 +16,6 @@ from tests.support.paged_attention import (
     make_batch,
     per_sequence_attention,
 )
-
-from .checks import needs_native
 
 
 @needs_native

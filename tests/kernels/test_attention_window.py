@@ -9,9 +9,8 @@ import torch
 from pagedserve.kernels.attention import cpu as attention_cpu
 from pagedserve.kernels.attention import reference
 from pagedserve.kernels.attention import triton as attention_triton
+from tests.support.kernel_checks import compile_for_sm90, needs_native
 from tests.support.paged_attention import BF16_TOL, DECODES, FP32_TOL, MIXED, PagedBatch, make_batch
-
-from .checks import compile_for_sm90, needs_native
 
 # Windows below, at and across block and tile edges, one of a single key, one wider than every context.
 WINDOWS = [1, 5, 16, 33, 1000]
@@ -206,8 +205,7 @@ def test_gemma2_engine_on_triton_kernels_matches_transformers_greedy(tmp_path, m
     from pagedserve.backend.engine.llm_engine import LLMEngine
     from pagedserve.kernels.activation import triton as activation_triton
     from pagedserve.testing import make_tiny_model
-
-    from .checks import spy
+    from tests.support.kernel_checks import spy
 
     path = make_tiny_model(tmp_path / "gemma2", "gemma2", seed=34, random_norms=True, tie_word_embeddings=True)
     attention_calls = spy(monkeypatch, attention_triton, "paged_attention")

@@ -21,9 +21,8 @@ from pagedserve.kernels.norm import triton as norm_triton
 from pagedserve.kernels.rope import cpu as rope_cpu
 from pagedserve.kernels.rope import reference as rope_reference
 from pagedserve.kernels.sampling import cpu as sampling_cpu
+from tests.support.kernel_checks import needs_native, spy
 from tests.support.paged_attention import DECODES, FP32_TOL, MIXED, make_batch, per_sequence_attention
-
-from .checks import needs_native, spy
 
 CUDA_TENSOR = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))  # all backend_for reads
 

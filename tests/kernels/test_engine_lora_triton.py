@@ -4,13 +4,12 @@ the fused projections' parts expand from strided slices of one shrink, and base 
 from __future__ import annotations
 
 import torch
+
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.kernels.lora import triton as lora_triton
-
 from pagedserve.testing import make_lora_adapter
-
-from .checks import spy
+from tests.support.kernel_checks import spy
 
 PROMPT = [5, 17, 33, 90, 41, 7, 250, 3, 64, 12, 8]
 MAX_NEW_TOKENS = 3

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pagedserve.kernels.attention import triton as attention_triton
-
-from .checks import greedy_on_triton, spy
+from tests.support.kernel_checks import greedy_on_triton, spy
 
 PROMPTS = [[5, 17, 33, 90, 41, 7, 250, 3, 64], [12, 8, 300, 77, 19, 45, 101, 6, 222, 13, 58, 91, 140, 2, 31]]
 MAX_NEW_TOKENS = 6

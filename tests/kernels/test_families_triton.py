@@ -5,12 +5,11 @@ equal transformers'."""
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.kernels.norm import triton as norm_triton
 from pagedserve.kernels.rope import triton as rope_triton
-
 from pagedserve.testing import make_tiny_model
-
-from .checks import greedy_on_triton, spy
+from tests.support.kernel_checks import greedy_on_triton, spy
 
 PROMPTS = [[5, 17, 33, 90, 41, 7, 250, 3, 64], [12, 8, 300, 77, 19, 45, 101, 6, 222, 13, 58]]
 MAX_NEW_TOKENS = 4

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from pagedserve import kernels
 from pagedserve.kernels import native
 from pagedserve.kernels.lora import cpu, reference
 from pagedserve.kernels.lora import triton as lora_triton
 from pagedserve.kernels.lora.grouping import group_slots
-
-from pagedserve import kernels
-
-from .checks import compile_for_sm90, spy
+from tests.support.kernel_checks import compile_for_sm90, spy
 
 K, N = 37, 29  # odd sizes: partial K and N tiles
 MIXED = [2, -1, 0, 2, 2, -1, 1, 0, -1, 2, 0, 0, 2]  # every adapter's rows scattered, base rows between

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
+from pagedserve import kernels
 from pagedserve.kernels.moe import cpu, reference
 from pagedserve.kernels.moe import triton as moe_triton
 from pagedserve.kernels.moe.align import align_block_size
-
-from pagedserve import kernels
-
-from .checks import spy
+from tests.support.kernel_checks import spy
 
 HIDDEN, INTER = 32, 24
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels.norm import cpu, reference
-from pagedserve.kernels.norm import triton as norm_triton
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .checks import assert_native_matches_reference, needs_native, triton_tol
+from pagedserve.kernels.norm import cpu, reference
+from pagedserve.kernels.norm import triton as norm_triton
+from tests.support.kernel_checks import assert_native_matches_reference, needs_native, triton_tol
 
 DTYPES = [torch.float32, torch.bfloat16]
 

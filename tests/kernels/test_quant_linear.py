@@ -8,8 +8,7 @@ import torch
 from pagedserve.kernels import quant_linear as ql
 from pagedserve.kernels.quant_linear import cpu, layout, reference
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight
-
-from .checks import compile_for_sm90
+from tests.support.kernel_checks import compile_for_sm90
 
 M_ROWS = [1, 7, 64]
 
@@ -218,8 +217,7 @@ def test_engine_on_the_triton_quantized_kernel_gives_the_reference_kernels_token
     from pagedserve.backend.core.sampling_params import SamplingParams
     from pagedserve.backend.engine.llm_engine import LLMEngine
     from pagedserve.kernels.quant_linear import triton as quant_triton
-
-    from .checks import spy
+    from tests.support.kernel_checks import spy
 
     prompts = [[5, 17, 33, 90, 41, 7, 250, 3, 64], [12, 8, 300, 77, 19, 45, 101, 6]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)

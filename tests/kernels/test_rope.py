@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.kernels.cache import reference as cache_reference
-from pagedserve.kernels.rope import compute_cos_sin_cache, cpu, reference
-from pagedserve.kernels.rope import triton as rope_triton
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from .checks import assert_native_matches_reference, needs_native, triton_tol
+from pagedserve.kernels.cache import reference as cache_reference
+from pagedserve.kernels.rope import compute_cos_sin_cache, cpu, reference
+from pagedserve.kernels.rope import triton as rope_triton
+from tests.support.kernel_checks import assert_native_matches_reference, needs_native, triton_tol
 
 DTYPES = [torch.float32, torch.bfloat16]
 

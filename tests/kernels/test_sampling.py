@@ -7,8 +7,7 @@ import torch
 
 from pagedserve.kernels import to_float32
 from pagedserve.kernels.sampling import cpu, reference
-
-from .checks import needs_native
+from tests.support.kernel_checks import needs_native
 
 pytestmark = needs_native
 

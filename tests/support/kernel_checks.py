@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels import native
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="no C++ compiler for the native kernels")
