@@ -106,10 +106,12 @@ class LLMEngine:
 
     @property
     def scheduler(self) -> Scheduler:
+        """The scheduler (and through it the block manager)."""
         return self.core.scheduler
 
     @property
     def sampler(self) -> Sampler:
+        """The sampler of the engine core."""
         return self.core.sampler
 
     @property
