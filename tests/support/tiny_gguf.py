@@ -58,7 +58,16 @@ _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn
           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def gguf_name(hf_name: str) -> str:
+# Beyond Llama's: Q/K head norms, Phi-3's fused projections, Gemma's four norms (llama.cpp's names).
+_FAMILY_NAMES = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                 "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+# config.json model_type -> GGUF general.architecture.
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight."""
     name = hf_name.removeprefix("model.")
     top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
@@ -66,7 +75,8 @@ def gguf_name(hf_name: str) -> str:
     if name in top:
         return top[name]
     _, layer, *rest = name.split(".")
-    return f"blk.{layer}.{_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+    names = {**_NAMES, **_FAMILY_NAMES, **(_GEMMA_NAMES if arch.startswith("gemma") else {})}
+    return f"blk.{layer}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
 # Byte offsets of each block format's fp16 fields (d, dmin): random bytes there could be inf or NaN.
@@ -115,27 +125,31 @@ def _center_affine(kind: str, raw: np.ndarray, halves: dict[int, np.ndarray]) ->
 
 
 def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metadata: dict | None = None) -> Path:
-    """The tiny HF model in `folder` as a llama GGUF at `out` whose 2-D tensors are random valid blocks of the type
-    `kind_of(gguf_name)` gives (None: the float weight as it is), each row's values near the float weight's scale.
+    """The tiny HF model in `folder` as a GGUF of its architecture at `out` whose 2-D tensors are random valid
+    blocks of the type `kind_of(gguf_name)` gives (None: the float weight as it is), each row's values near the float
+    weight's scale; Gemma's norms stored as 1 + weight, Llama's Q/K rows permuted, as llama.cpp's converter does.
     Writes the twin checkpoint of the dequantized fp32 weights beside it (`out`.ref/); `metadata` overrides
     config keys in the file's metadata only (to make it contradict its tensors)."""
     config = json.loads((folder / "config.json").read_text())
+    arch = GGUF_ARCH[config["model_type"]]
     tensors = load_file(str(folder / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, {**config, **(metadata or {})}, folder)
     twin = {}
     for i, (name, tensor) in enumerate(sorted(tensors.items())):
-        kind = kind_of(gguf_name(name)) if tensor.dim() == 2 else None
+        target = gguf_name(name, arch)
+        kind = kind_of(target) if tensor.dim() == 2 else None
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(
-            name.split(".")[-2])
+            name.split(".")[-2]) if arch == "llama" else None
         if kind is None:
-            twin[name] = tensor
-            writer.add_tensor(gguf_name(name), (permute_qk(tensor, heads) if heads else tensor).numpy())
+            stored = tensor + 1 if arch.startswith("gemma") and "norm" in name else tensor
+            twin[name] = stored - 1 if arch.startswith("gemma") and "norm" in name else stored
+            writer.add_tensor(target, (permute_qk(stored, heads) if heads else stored).numpy())
             continue
         raw = random_blocks(kind, *tensor.shape, seed=seed * 1000 + i, rms=tensor.float().pow(2).mean().sqrt().item())
         twin[name] = torch.from_numpy(gguf.quants.dequantize(raw, getattr(Q, kind)))
         rows = permute_qk(torch.arange(tensor.shape[0]), heads).numpy() if heads else slice(None)
-        writer.add_tensor(gguf_name(name), raw[rows], raw_dtype=getattr(Q, kind))
+        writer.add_tensor(target, raw[rows], raw_dtype=getattr(Q, kind))
     _finish(writer)
     _write_twin(folder, out.with_suffix(".ref"), twin)
     return out
@@ -203,9 +217,13 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, folder: Path) -> None
     writer.add_head_count(heads)
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers' base is the file's
+    writer.add_rope_freq_base(config.get("rope_theta") or rope["rope_theta"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_vocab_size(config["vocab_size"])
+    _write_family_metadata(writer, config)
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab = {**tokenizer["model"]["vocab"], **{t["content"]: t["id"] for t in tokenizer["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
@@ -217,6 +235,18 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, folder: Path) -> None
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template", ""))
+
+
+def _write_family_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
+    """The keys llama.cpp's converter writes for a head_dim of its own and for windows and soft-caps."""
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(name):
+            getattr(writer, f"add_{name}")(config[name])
 
 
 def _write_twin(folder: Path, target: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -14,9 +14,26 @@ import torch
 from pagedserve.backend.model.gguf_blocks import FORMATS, unpack_blocks
 from pagedserve.kernels.quant_linear import QuantizedWeight
 
-# GGUF general.architecture -> the Hugging Face architecture it loads as, and whether llama.cpp's converter
-# permuted the Q/K rows of each head (llama does, qwen2 does not).
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+
+class GGUFArch(NamedTuple):
+    """How a GGUF general.architecture loads: the Hugging Face architecture, whether llama.cpp's converter
+    permuted each head's Q/K rows (llama's does), and whether it stored Gemma's norms as 1 + weight."""
+
+    hf: str
+    permuted: bool = False
+    gemma: bool = False
+
+
+ARCHITECTURES = {
+    "llama": GGUFArch("LlamaForCausalLM", permuted=True),
+    "qwen2": GGUFArch("Qwen2ForCausalLM"),
+    "qwen3": GGUFArch("Qwen3ForCausalLM"),
+    "phi3": GGUFArch("Phi3ForCausalLM"),
+    "gemma2": GGUFArch("Gemma2ForCausalLM", gemma=True),
+    "gemma3": GGUFArch("Gemma3ForCausalLM", gemma=True),
+}
+# Gemma layers per model size whose attention llama.cpp scales by hidden / heads, not head_dim (the 27B models).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = tuple(FORMATS)
 
@@ -83,8 +100,8 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor")))
     elif meta("rope.scaling.type") not in (None, "none"):
         raise GGUFError(f"GGUF rope scaling {meta('rope.scaling.type')!r} is not supported; supported: linear")
-    return {
-        "architectures": [ARCHITECTURES[arch][0]],
+    config = {
+        "architectures": [ARCHITECTURES[arch].hf],
         "vocab_size": int(meta("vocab_size", len(field(reader, "tokenizer.ggml.tokens", [])))),
         "hidden_size": hidden,
         "intermediate_size": int(meta("feed_forward_length", required=True)),
@@ -99,11 +116,41 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
     }
+    return {**config, **_family_keys(arch, meta, config, names)}
+
+
+def _family_keys(arch: str, meta: Any, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The config.json keys a family adds, from its metadata (as llama.cpp reads them)."""
+    keys: dict[str, Any] = {}
+    if arch == "phi3":
+        if "rope_factors_long.weight" in names or meta("rope.scaling.attn_factor") is not None:
+            raise GGUFError("GGUF phi3 files with LongRoPE (rope_factors_long.weight) are not supported")
+        rotary = int(meta("rope.dimension_count", config["head_dim"]))
+        keys.update(partial_rotary_factor=rotary / config["head_dim"], sliding_window=meta("attention.sliding_window"))
+    if arch in ("gemma2", "gemma3"):
+        big = int(config["num_hidden_layers"]) == _GEMMA_27B_LAYERS[arch]
+        keys.update(hidden_activation="gelu_pytorch_tanh", sliding_window=int(meta("attention.sliding_window", 4096)),
+                    query_pre_attn_scalar=config["hidden_size"] // config["num_attention_heads"] if big
+                    else config["head_dim"])
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):  # absent: the family's defaults
+            if meta(name) is not None:
+                keys[name] = float(meta(name))
+    if arch == "gemma3":
+        keys.update(rope_local_base_freq=10000.0, rope_parameters={**config["rope_parameters"], "rope_theta": float(
+            meta("rope.freq_base", 1_000_000.0))})
+        if meta("attention.sliding_window_pattern") is not None:
+            keys["sliding_window_pattern"] = int(meta("attention.sliding_window_pattern"))
+    return keys
+
+
+def architecture(path: str | Path) -> GGUFArch:
+    """How the file's architecture loads (config_dict has refused the unsupported ones)."""
+    return ARCHITECTURES[field(read(path), "general.architecture")]
 
 
 def permutes_qk(path: str | Path) -> bool:
     """True when the file's Q/K rows are in llama.cpp's rotary order (undone at load)."""
-    return ARCHITECTURES[field(read(path), "general.architecture")][1]
+    return architecture(path).permuted
 
 
 def tensors(path: str | Path) -> dict[str, Any]:

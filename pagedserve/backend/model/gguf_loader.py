@@ -12,41 +12,49 @@ from torch import nn
 from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_file import GGUFError
-from pagedserve.backend.model.llama import LlamaForCausalLM
 from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear, prepare_quantized
+from pagedserve.backend.model.registry import family_for
 from pagedserve.kernels.quant_linear import QuantizedWeight
 from pagedserve.kernels.quant_linear.layout import concat_rows, select_rows
 
 Loaded = QuantizedWeight | torch.Tensor
-# Our linear layer -> the GGUF tensors (per layer) concatenated along its rows.
+# Our linear layer -> the GGUF tensors (per layer) stacked along its rows, the first alternative whose tensors the
+# file has (Phi-3's converter keeps qkv and gate_up fused, as attn_qkv and ffn_up).
 _LINEARS = {
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
+    "self_attn.qkv_proj": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)),
+    "self_attn.o_proj": (("attn_output",),),
+    "mlp.gate_up_proj": (("ffn_gate", "ffn_up"), ("ffn_up",)),
+    "mlp.down_proj": (("ffn_down",),),
 }
+# Our norms -> the GGUF tensors: Llama's two, or Gemma's four; Q/K head norms where the family has them.
 _NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_HEAD_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 # The metadata keys (after the architecture's prefix) that decide every weight's shape.
 _SHAPE_KEYS = ("embedding_length, feed_forward_length, attention.head_count, attention.head_count_kv, "
                "attention.key_length, vocab_size")
 
 
-def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int) -> LlamaForCausalLM:
+def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int) -> nn.Module:
     """The model with every weight from the GGUF file at `path`; every tensor of the file must find its place."""
     cfg = ModelArchConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_position)
+        model = family_for(cfg.architecture).model_cls(cfg, max_position)
     model = model.to_empty(device=device).to(dtype)
     source = _Source(path, cfg)
+    norms = _GEMMA_NORMS if source.gemma else _NORMS
     for i, layer in enumerate(model.layers):
-        for target, parts in _LINEARS.items():
+        for target, alternatives in _LINEARS.items():
             parent, name = target.split(".")
-            names = [f"blk.{i}.{part}" for part in parts]
+            names = source.first_present(i, alternatives)
             _set_linear(getattr(layer, parent), name, source.rows(names), source.bias(names), dtype, device,
                         [f"{n}.weight" for n in names])
-        for ours, theirs in _NORMS.items():
-            getattr(layer, ours).weight.data.copy_(source.float(f"blk.{i}.{theirs}.weight"))
-    model.norm.weight.data.copy_(source.float("output_norm.weight"))
+        for ours, theirs in {**norms, **_HEAD_NORMS}.items():
+            if ours in _HEAD_NORMS and not hasattr(layer.self_attn, ours.split(".")[1]):
+                continue
+            _copy(layer.get_submodule(ours).weight, source.norm(f"blk.{i}.{theirs}.weight"), f"blk.{i}.{theirs}")
+    model.norm.weight.data.copy_(source.norm("output_norm.weight"))
     _set_embeddings(model, source, cfg, dtype, device)
     source.check_all_used()
     prepare_quantized(model)
@@ -61,8 +69,22 @@ class _Source:
     def __init__(self, path: str | Path, cfg: ModelArchConfig):
         self.path, self.cfg = path, cfg
         self.tensors = gguf_file.tensors(path)
-        self.permuted = gguf_file.permutes_qk(path)
+        arch = gguf_file.architecture(path)
+        self.permuted, self.gemma = arch.permuted, arch.gemma
         self.used: set[str] = set()
+
+    def first_present(self, layer: int, alternatives: tuple[tuple[str, ...], ...]) -> list[str]:
+        """Layer `layer`'s tensor names of the first alternative the file holds (else the first, to be refused)."""
+        for parts in alternatives:
+            names = [f"blk.{layer}.{part}" for part in parts]
+            if all(f"{name}.weight" in self.tensors for name in names):
+                return names
+        return [f"blk.{layer}.{part}" for part in alternatives[0]]
+
+    def norm(self, name: str) -> torch.Tensor:
+        """A norm's weight as our families hold it: llama.cpp stores Gemma's (1 + weight) whole."""
+        weight = self.float(name)
+        return weight - 1 if self.gemma else weight
 
     def get(self, name: str) -> Loaded:
         if name not in self.tensors:
@@ -133,10 +155,13 @@ def _set_linear(parent: nn.Module, name: str, weight: Loaded, bias: torch.Tensor
     setattr(parent, name, QuantizedLinear(weight.to(device), bias))
 
 
-def _set_embeddings(model: LlamaForCausalLM, source: _Source, cfg: ModelArchConfig, dtype: torch.dtype,
+def _set_embeddings(model: nn.Module, source: _Source, cfg: ModelArchConfig, dtype: torch.dtype,
                     device: torch.device) -> None:
-    """The token table (quantized or not) and the lm_head: its own `output.weight`, or the tied table."""
+    """The token table (quantized or not) and the lm_head: its own `output.weight`, or the tied table. Gemma's
+    model reads its table as a tensor (to scale the embeddings in its dtype): it gets the table dequantized."""
     table = source.get("token_embd.weight")
+    if isinstance(table, QuantizedWeight) and source.gemma:
+        table = table.dequantize()
     if isinstance(table, QuantizedWeight):
         _check_shape(model.embed_tokens.weight, table, "token_embd.weight")
         table = table.to(device)

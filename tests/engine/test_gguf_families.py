@@ -1,0 +1,61 @@
+"""GGUF files of every dense family llama.cpp converts (qwen3, phi3, gemma2, gemma3), K-quants mixed as Q4_K_M
+mixes them: each architecture's metadata becomes our family's config, and greedy tokens equal transformers' on the
+dequantized weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.model.gguf_loader import load_gguf_model
+from pagedserve.backend.model.quantized import QuantizedLinear
+from pagedserve.testing import make_tiny_model
+from tests.support import tiny_gguf
+from tests.support.engines import cpu_engine, greedy
+
+# Every width a whole number of 256-value super-blocks: head_dim 64 over 4 heads.
+_WIDE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, random_norms=True)
+FAMILIES = {
+    "qwen3": dict(config_extras={"head_dim": 64}),
+    "phi3": dict(config_extras={"partial_rotary_factor": 0.5}),
+    "gemma2": dict(tie_word_embeddings=True,
+                   config_extras={"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 8,
+                                  "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
+    # Six layers: llama.cpp's Gemma 3 has five sliding layers to a global one, its local rope base 10000.
+    "gemma3": dict(tie_word_embeddings=True, num_layers=6,
+                   config_extras={"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 8,
+                                  "sliding_window_pattern": 6,
+                                  "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                      "sliding_attention": {"rope_type": "default",
+                                                                            "rope_theta": 10000.0}}}),
+}
+
+
+def q4_k_m(name: str) -> str:
+    """Q6_K for v, down and the output (llama.cpp's Q4_K_M keeps these wider), Q4_K elsewhere."""
+    return "Q6_K" if any(part in name for part in ("attn_v", "ffn_down", "output.", "attn_qkv")) else "Q4_K"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_s_gguf_gives_transformers_greedy_tokens_on_its_dequantized_weights(family, hf_reference,
+                                                                                      tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", family, seed=21, **{**_WIDE, **FAMILIES[family]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / f"{family}.gguf", q4_k_m)
+    model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)
+    assert type(model).__name__.lower().startswith(family[:5])
+    engine = cpu_engine(path, num_blocks=64, block_size=4)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(3, 24))] for _ in range(6)]
+    twin = path.with_suffix(".ref")
+    outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, greedy(10))]
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == hf_reference.greedy(twin, prompt, 10)[0], prompt
+    # Every prompt position's logprob too: tiny tied Gemmas mostly repeat a token, so greedy alone says little.
+    scored = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    for prompt, out in zip(prompts, scored, strict=True):
+        got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        assert got == pytest.approx(hf_reference.prompt_logprobs(twin, prompt), rel=2e-5, abs=1e-4)
