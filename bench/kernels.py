@@ -156,6 +156,7 @@ def _aot_launches() -> list:
 def run_aot(args: argparse.Namespace) -> dict:
     """Compile every launch configuration for sm_<arch> without a GPU; report registers and spills."""
     import triton
+
     from pagedserve.kernels.aot import SM90_MAX_SHARED_BYTES, compile_launch, specialise
 
     rows, seen = [], set()

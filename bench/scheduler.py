@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from pagedserve.backend.core.config import CacheConfig, SchedulerConfig
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams

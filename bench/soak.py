@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     TritonServer,

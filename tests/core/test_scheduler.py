@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError, ServerBusyError
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams

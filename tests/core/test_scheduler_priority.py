@@ -4,6 +4,7 @@ a higher priority takes the blocks (or the sequence slot) of running requests of
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.backend.core.config import SchedulerConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.request import Request, RequestStatus

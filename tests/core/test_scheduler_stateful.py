@@ -8,6 +8,7 @@ from collections import Counter
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from pagedserve.backend.core.request import RequestStatus
 from pagedserve.backend.core.request_queue import priority_key
 

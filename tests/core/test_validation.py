@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.backend.core.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.request import Request, RequestStatus

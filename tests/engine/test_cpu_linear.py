@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from pagedserve.backend.model import cpu_linear
 from pagedserve.backend.model.cpu_linear import PackedLinear, can_prepack, prepack_linears
-from torch import nn
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN packed linear")
 
@@ -67,7 +68,6 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_only_where_this_cpu_has_a_fa
         tmp_path_factory, monkeypatch, fast_bf16):
     from pagedserve.backend.engine.llm_engine import LLMEngine
     from pagedserve.backend.worker import model_runner
-
     from pagedserve.testing import make_tiny_model
 
     path = str(make_tiny_model(tmp_path_factory.mktemp("bf16-llama"), "llama", dtype="bfloat16"))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pagedserve.backend.engine.detokenizer import (
     IncrementalDetokenizer,
     detokenize_incrementally,
     initial_offsets,
 )
-
 from pagedserve.testing import EOS_TOKEN, build_tokenizer
 
 TRICKY_TEXT = " Hello  world! 🙂 日本語 and 中文, café ✓\n  indented  "

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import ModelArchConfig, UnsupportedModelError
-
 from pagedserve.testing import make_tiny_model
 from tests.support.engines import cpu_engine
 from tests.support.parity import assert_staggered_batch_matches_transformers, parity_prompts
@@ -113,9 +113,10 @@ def test_unsupported_gemma_configs_are_named(tiny_gemma3_path, change, message):
 
 
 def test_gemma_chat_template_renders_through_the_openai_shim_like_transformers(tiny_gemma2_path, tmp_path):
+    from transformers import AutoTokenizer
+
     from pagedserve.client.openai.chat_template import ChatTemplate
     from pagedserve.client.openai.errors import APIError
-    from transformers import AutoTokenizer
 
     folder = tmp_path / "gemma-chat"
     shutil.copytree(tiny_gemma2_path, folder)

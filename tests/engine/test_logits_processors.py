@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.worker.logits_processors import apply_logits_processors
 from pagedserve.backend.worker.sampler import Sampler
-
 from tests.support.engines import cpu_engine
 
 VOCAB = 64

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from pagedserve.backend.core.config import LoRAConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.lora import LoRAAdapterError, load_lora_adapter
-from safetensors.torch import save_file
-
 from pagedserve.testing import make_lora_adapter, make_tiny_model
 from tests.support.engines import cpu_engine, greedy
 

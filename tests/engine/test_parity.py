@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pagedserve.backend.core.sampling_params import SamplingParams
 
+from pagedserve.backend.core.sampling_params import SamplingParams
 from tests.support.engines import cpu_engine
 from tests.support.parity import assert_staggered_batch_matches_transformers, parity_prompts
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
-
 from tests.support.engines import cpu_engine
 
 PROMPTS = [list(range(40, 63)), list(range(100, 117)), list(range(200, 230))]

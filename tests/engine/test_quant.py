@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
 from pagedserve.backend.core.config import QUANTIZATIONS, ModelConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import quantized
 from pagedserve.backend.model.quantized import QuantizedLinear, quantize_weight, weight_bytes
 from pagedserve.backend.triton.settings import engine_arguments
-from safetensors.torch import load_file, save_file
-from torch import nn
-
 from tests.support.engines import cpu_engine
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
-
 from tests.support.engines import cpu_engine
 
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.worker.sampler import Sampler, apply_penalties, compute_logprobs

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import ModelArchConfig, UnsupportedModelError
-
 from pagedserve.testing import make_tiny_model
 from tests.support.engines import cpu_engine
 from tests.support.parity import assert_staggered_batch_matches_transformers, parity_prompts

@@ -8,10 +8,10 @@ import re
 
 import jsonschema
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.structured import no_control_words
-
 from tests.support.engines import cpu_engine
 
 MAX_TOKENS = 160

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
-
 from tests.support.engines import cpu_engine
 
 MAX_TOKENS = 120

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from pagedserve.backend.core.config import ModelConfig
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
@@ -23,7 +24,6 @@ from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model.sharding import shard_tensor
 from pagedserve.backend.worker.parallel import TIMEOUT_ENV, TensorParallel, TensorParallelError, open_store
 from pagedserve.backend.worker.tp_workers import rendezvous, with_rank_threads
-
 from pagedserve.testing import make_tiny_model
 from tests.support.engines import cpu_engine, greedy
 from tests.support.parity import MAX_NEW_TOKENS, SUBMIT_AT_STEP, parity_prompts
@@ -198,6 +198,7 @@ def test_cpu_ranks_split_the_cores_unless_cpu_threads_is_set(monkeypatch):
 
 def test_shards_of_fused_and_stacked_checkpoint_tensors_take_each_part_apart_and_the_vocab_pads(tiny_phi3):
     import torch
+
     from pagedserve.backend.model import ModelArchConfig
 
     cfg = ModelArchConfig.from_pretrained(tiny_phi3)
@@ -227,8 +228,9 @@ def test_shards_of_fused_and_stacked_checkpoint_tensors_take_each_part_apart_and
 
 def test_a_tied_model_s_rank_shares_one_vocabulary_shard_between_embedding_and_head(tiny_qwen2_tied):
     import torch
-    from pagedserve.backend.model.sharding import load_sharded_model
     from safetensors.torch import load_file
+
+    from pagedserve.backend.model.sharding import load_sharded_model
 
     table = load_file(str(tiny_qwen2_tied / "model.safetensors"))["model.embed_tokens.weight"]
     model = load_sharded_model(tiny_qwen2_tied, torch.float32, torch.device("cpu"), 64, 1, 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels.bitmask import reference
 from pagedserve.kernels.bitmask import triton as bitmask_triton
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels.cache import reference
 from pagedserve.kernels.cache import triton as cache_triton
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels.rejection import reference
 from pagedserve.kernels.rejection import triton as rejection_triton
 

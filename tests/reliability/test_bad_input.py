@@ -12,10 +12,10 @@ import json
 import httpx
 import numpy as np
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
-
 from tests.support.engines import cpu_engine
 
 pytestmark = pytest.mark.slow

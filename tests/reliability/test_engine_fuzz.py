@@ -9,10 +9,10 @@ import math
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
-
 from tests.support.engines import cpu_engine
 
 MAX_STEPS = 400  # far more than any accepted request needs at max_model_len 48; a liveness bound

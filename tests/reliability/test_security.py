@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+
 from pagedserve.client import launcher
 from pagedserve.client import openai as openai_shim
 from pagedserve.client.openai import app as shim_app

@@ -9,9 +9,9 @@ import signal
 import time
 
 import pytest
+
 from pagedserve.backend.core.errors import ErrorKind, WireError, from_wire
 from pagedserve.client.launcher import process_group_members
-
 from tests.support.servers import CPU_FP32, RunningTriton
 from tests.support.streams import GrpcStream
 

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from pagedserve.client.launcher import EXIT_TIMEOUT_SECONDS
 
+from pagedserve.client.launcher import EXIT_TIMEOUT_SECONDS
 from tests.support.servers import CPU_FP32, triton_running
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pagedserve.client.launcher import free_loopback_ports as free_ports
 
+from pagedserve.client.launcher import free_loopback_ports as free_ports
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 
 # Small, fixed engine settings: the prompt-length test relies on max_model_len.

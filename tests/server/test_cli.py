@@ -12,6 +12,7 @@ import sys
 
 import jsonschema
 import pytest
+
 from pagedserve.client import commands
 from pagedserve.client.cli import main
 from pagedserve.client.openai.chat_template import ChatTemplate

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from pagedserve.client.bench import RequestResult, arrival_delays, make_workload, summarize
 from pagedserve.client.cli import main
 

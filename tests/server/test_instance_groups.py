@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from pagedserve.backend.triton.instances import Instance, instance_device, instance_engine_kwargs
 from pagedserve.backend.worker.model_runner import CPU_KV_CACHE_BYTES
 from pagedserve.client import launcher
@@ -27,7 +28,6 @@ from pagedserve.client.launcher import (
     process_group_members,
     set_instance_group,
 )
-
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 
 INSTANCES = 2

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pagedserve.client.launcher import free_loopback_ports
 
+from pagedserve.client.launcher import free_loopback_ports
 from pagedserve.testing import make_lora_adapter, make_tiny_model
 from tests.support.servers import RunningTriton
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
+
 from pagedserve.backend.core.errors import InvalidRequestError, to_wire
 from pagedserve.backend.triton.lora import (
     control_request,

@@ -4,6 +4,7 @@ transformers' apply_chat_template renders them; bad options are refused naming t
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError
 from pagedserve.client.openai.protocol import parse_chat_request

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError
 

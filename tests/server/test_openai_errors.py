@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+
 from pagedserve.client.openai.app import create_app
 from pagedserve.client.openai.shim import ShimSettings
 

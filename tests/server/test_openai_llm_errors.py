@@ -4,6 +4,7 @@ tag the llm model writes (kind, field), never from the message's words (no serve
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.backend.core.errors import (
     ErrorKind,
     InvalidRequestError,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagedserve.client.openai.errors import APIError
 from pagedserve.client.openai.protocol import parse_chat_request, parse_completion_request
 

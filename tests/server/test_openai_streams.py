@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pagedserve.client.openai.streams import ClientGone, merge_streams, unless_disconnected
 from pagedserve.client.triton_client import LLMResponse
 

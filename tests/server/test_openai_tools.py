@@ -10,6 +10,7 @@ import json
 
 import jsonschema
 import pytest
+
 from pagedserve.client.launcher import _tool_flags
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError

@@ -14,8 +14,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from pagedserve.client.openai.tool_parsers import TOOL_PARSERS
 
+from pagedserve.client.openai.tool_parsers import TOOL_PARSERS
 from pagedserve.testing import copy_with_tool_template
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 

@@ -10,6 +10,7 @@ import keyword
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pagedserve.client.openai.tool_parsers import (
     TOOL_PARSERS,
     ArgumentsDelta,

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pagedserve.backend.core.sampling_params import SamplingParams
 
+from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.testing import make_tiny_model
 from tests.support.engines import cpu_engine
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.triton.inputs import parse_llm_request, request_parameters
 from pagedserve.backend.triton.settings import engine_arguments

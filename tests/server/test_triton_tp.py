@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.triton.settings import engine_arguments
 from pagedserve.client import launcher
@@ -22,7 +23,6 @@ from pagedserve.client.launcher import (
     prepare_model_repository,
     process_group_members,
 )
-
 from tests.support.engines import cpu_engine
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 

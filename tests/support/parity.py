@@ -8,8 +8,8 @@ import random
 from pathlib import Path
 
 import pytest
-from pagedserve.backend.core.sampling_params import SamplingParams
 
+from pagedserve.backend.core.sampling_params import SamplingParams
 from tests.support.engines import cpu_engine
 from tests.support.oracle import HFReference
 

@@ -25,7 +25,6 @@ from pagedserve.client.launcher import (
     openai_shim_running,
     prepare_model_repository,
 )
-
 from tests.support.inputs import http_body
 from tests.support.streams import GrpcStream, StreamResult
 
