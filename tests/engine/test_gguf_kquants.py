@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import random
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
+from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear
@@ -96,3 +99,17 @@ def test_a_truncated_k_quant_gguf_is_refused(wide_llama_path, tmp_path, fraction
     cut.write_bytes(data[: int(len(data) * fraction)])
     with pytest.raises(GGUFError, match="truncated"):
         cpu_engine(cut, num_blocks=16)
+
+
+def test_a_missing_metadata_key_is_refused_naming_it(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(256)
+    writer.add_head_count(4)
+    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match=r"lacks the metadata key llama\.feed_forward_length"):
+        gguf_file.config_dict(tmp_path / "bare.gguf")
