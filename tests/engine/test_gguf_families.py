@@ -4,12 +4,15 @@ dequantized weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.quantized import QuantizedLinear
 from pagedserve.testing import make_tiny_model
@@ -21,6 +24,11 @@ _WIDE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2
 FAMILIES = {
     "qwen3": dict(config_extras={"head_dim": 64}),
     "phi3": dict(config_extras={"partial_rotary_factor": 0.5}),
+    # LongRoPE past an original context of 4 (every prompt longer): the long factors, as transformers uses them.
+    "phi3-longrope": dict(max_position_embeddings=256, config_extras={
+        "original_max_position_embeddings": 4,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.25 * i for i in range(32)],
+                            "long_factor": [3.0 + 0.5 * i for i in range(32)], "original_max_position_embeddings": 4}}),
     "gemma2": dict(tie_word_embeddings=True,
                    config_extras={"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 8,
                                   "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
@@ -39,17 +47,28 @@ def q4_k_m(name: str) -> str:
     return "Q6_K" if any(part in name for part in ("attn_v", "ffn_down", "output.", "attn_qkv")) else "Q4_K"
 
 
+def _fields(cfg: ModelArchConfig) -> dict:
+    """The config's fields as the file's metadata can hold them: eps in fp32, each layer's window."""
+    fields = dataclasses.asdict(cfg)
+    fields.pop("torch_dtype")
+    fields["rms_norm_eps"] = float(np.float32(cfg.rms_norm_eps))
+    fields["sliding_layers"] = [cfg.window_of(i) for i in range(cfg.num_layers)]
+    return fields
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_family_s_gguf_gives_transformers_greedy_tokens_on_its_dequantized_weights(family, hf_reference,
                                                                                       tmp_path):
-    folder = make_tiny_model(tmp_path / "hf", family, seed=21, **{**_WIDE, **FAMILIES[family]})
+    arch = family.split("-")[0]
+    folder = make_tiny_model(tmp_path / "hf", arch, seed=21, **{**_WIDE, **FAMILIES[family]})
     path = tiny_gguf.write_blocks_gguf(folder, tmp_path / f"{family}.gguf", q4_k_m)
     model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)
-    assert type(model).__name__.lower().startswith(family[:5])
+    assert type(model).__name__.lower().startswith(arch[:5])
+    assert _fields(model.config) == _fields(ModelArchConfig.from_pretrained(path.with_suffix(".ref")))
     engine = cpu_engine(path, num_blocks=64, block_size=4)
     rng = random.Random(8)
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(3, 24))] for _ in range(6)]
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(5, 24))] for _ in range(6)]
     twin = path.with_suffix(".ref")
     outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, greedy(10))]
     for prompt, got in zip(prompts, outputs, strict=True):

@@ -247,6 +247,14 @@ def _write_family_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if config.get(name):
             getattr(writer, f"add_{name}")(config[name])
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3's: factor tensors beside the weights
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings")
+                                             or config["original_max_position_embeddings"])
+        if rope.get("attention_factor"):
+            writer.add_rope_scaling_attn_factors(rope["attention_factor"])
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _write_twin(folder: Path, target: Path, tensors: dict[str, torch.Tensor]) -> None:

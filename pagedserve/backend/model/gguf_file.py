@@ -32,6 +32,8 @@ ARCHITECTURES = {
     "gemma2": GGUFArch("Gemma2ForCausalLM", gemma=True),
     "gemma3": GGUFArch("Gemma3ForCausalLM", gemma=True),
 }
+# Tensors that carry config, not weights: Phi-3's LongRoPE factors (long, short).
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Gemma layers per model size whose attention llama.cpp scales by hidden / heads, not head_dim (the 27B models).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -116,17 +118,31 @@ def config_dict(path: str | Path) -> dict[str, Any]:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
     }
-    return {**config, **_family_keys(arch, meta, config, names)}
+    return {**config, **_family_keys(arch, reader, meta, config, names)}
 
 
-def _family_keys(arch: str, meta: Any, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
+def _longrope(reader: Any, meta: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE as config.json's rope_parameters: its factor tensors, original context and attention factor."""
+    factors = {t.name: [float(v) for v in np.array(t.data, dtype=np.float32).ravel()] for t in reader.tensors
+               if t.name in LONGROPE_TENSORS}
+    if len(factors) != 2:
+        raise GGUFError(f"GGUF phi3 LongRoPE needs both {' and '.join(LONGROPE_TENSORS)}; the file has {list(factors)}")
+    params = {**rope, "rope_type": "longrope", "long_factor": factors[LONGROPE_TENSORS[0]],
+              "short_factor": factors[LONGROPE_TENSORS[1]],
+              "original_max_position_embeddings": int(meta("rope.scaling.original_context_length", required=True))}
+    if meta("rope.scaling.attn_factor") is not None:
+        params["attention_factor"] = float(meta("rope.scaling.attn_factor"))
+    return params
+
+
+def _family_keys(arch: str, reader: Any, meta: Any, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """The config.json keys a family adds, from its metadata (as llama.cpp reads them)."""
     keys: dict[str, Any] = {}
     if arch == "phi3":
-        if "rope_factors_long.weight" in names or meta("rope.scaling.attn_factor") is not None:
-            raise GGUFError("GGUF phi3 files with LongRoPE (rope_factors_long.weight) are not supported")
         rotary = int(meta("rope.dimension_count", config["head_dim"]))
         keys.update(partial_rotary_factor=rotary / config["head_dim"], sliding_window=meta("attention.sliding_window"))
+        if "rope_factors_long.weight" in names:
+            keys["rope_parameters"] = _longrope(reader, meta, config["rope_parameters"])
     if arch in ("gemma2", "gemma3"):
         big = int(config["num_hidden_layers"]) == _GEMMA_27B_LAYERS[arch]
         keys.update(hidden_activation="gelu_pytorch_tanh", sliding_window=int(meta("attention.sliding_window", 4096)),
