@@ -13,6 +13,7 @@ import torch
 
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model.config import ModelArchConfig
+from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.quantized import QuantizedLinear
 from pagedserve.testing import make_tiny_model
@@ -22,6 +23,9 @@ from tests.support.engines import cpu_engine, greedy
 # Every width a whole number of 256-value super-blocks: head_dim 64 over 4 heads.
 _WIDE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, random_norms=True)
 FAMILIES = {
+    # Llama 3.1's rope scaling, which the file holds only as llama.cpp's per-frequency factors (rope_freqs.weight).
+    "llama-llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen3": dict(config_extras={"head_dim": 64}),
     "phi3": dict(config_extras={"partial_rotary_factor": 0.5}),
     # LongRoPE past an original context of 4 (every prompt longer): the long factors, as transformers uses them.
@@ -78,3 +82,12 @@ def test_a_family_s_gguf_gives_transformers_greedy_tokens_on_its_dequantized_wei
     for prompt, out in zip(prompts, scored, strict=True):
         got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
         assert got == pytest.approx(hf_reference.prompt_logprobs(twin, prompt), rel=2e-5, abs=1e-4)
+
+
+def test_rope_factors_no_llama3_scaling_reproduces_are_refused_naming_the_tensor(tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", "llama", seed=22, **_WIDE)
+    odd = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 3.0, "original_max_position_embeddings": 64}  # a high_freq_factor Llama 3 never used
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "odd.gguf", q4_k_m, metadata={"rope_parameters": odd})
+    with pytest.raises(GGUFError, match=r"'rope_freqs\.weight' holds rope factors that no llama3 rope scaling"):
+        load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)

@@ -248,6 +248,8 @@ def _write_family_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
         if config.get(name):
             getattr(writer, f"add_{name}")(config[name])
     rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":  # the per-frequency factors llama.cpp's converter stores
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config))
     if rope.get("rope_type") == "longrope":  # Phi-3's: factor tensors beside the weights
         writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings")
                                              or config["original_max_position_embeddings"])
@@ -255,6 +257,25 @@ def _write_family_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
             writer.add_rope_scaling_attn_factors(rope["attention_factor"])
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def llama3_rope_factors(rope: dict, config: dict) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs.weight for a llama3 rope scaling (its own formula)."""
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old = rope["original_max_position_embeddings"]
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _write_twin(folder: Path, target: Path, tensors: dict[str, torch.Tensor]) -> None:

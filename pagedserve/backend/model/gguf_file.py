@@ -5,6 +5,7 @@ tensor (F32, F16, BF16). Other tensor types are refused naming the tensor."""
 from __future__ import annotations
 
 import functools
+import itertools
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,8 +33,9 @@ ARCHITECTURES = {
     "gemma2": GGUFArch("Gemma2ForCausalLM", gemma=True),
     "gemma3": GGUFArch("Gemma3ForCausalLM", gemma=True),
 }
-# Tensors that carry config, not weights: Phi-3's LongRoPE factors (long, short).
+# Tensors that carry config, not weights: Phi-3's LongRoPE factors (long, short), Llama 3's rope factors.
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # Gemma layers per model size whose attention llama.cpp scales by hidden / heads, not head_dim (the 27B models).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -135,9 +137,33 @@ def _longrope(reader: Any, meta: Any, rope: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _llama3_rope(reader: Any, rope: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Llama 3.x's rope scaling from the per-frequency factors llama.cpp's converter stores (rope_freqs.weight): the
+    config keys (factor, low/high_freq_factor, original context) whose factors they are, found by trying the usual
+    ones; a file whose factors none reproduces is refused."""
+    stored = next(np.array(t.data, dtype=np.float64).ravel() for t in reader.tensors if t.name == ROPE_FREQS_TENSOR)
+    if np.allclose(stored, 1.0):
+        return rope
+    factor = float(stored.max())
+    wavelen = 2 * np.pi * rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    # Llama 3's own (1, 4) first: scaling all three by one number gives the same factors.
+    for low, high, original in itertools.product((1.0, 0.5, 2.0), (4.0, 2.0, 8.0), [2**k for k in range(4, 21)]):
+        if high <= low:
+            continue
+        smooth = (original / wavelen - low) / (high - low)
+        want = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor,
+                                                                 1 / ((1 - smooth) / factor + smooth)))
+        if stored.shape == want.shape and np.allclose(stored, want, rtol=1e-6, atol=0):
+            return {**rope, "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise GGUFError(f"GGUF tensor {ROPE_FREQS_TENSOR!r} holds rope factors that no llama3 rope scaling reproduces")
+
+
 def _family_keys(arch: str, reader: Any, meta: Any, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """The config.json keys a family adds, from its metadata (as llama.cpp reads them)."""
     keys: dict[str, Any] = {}
+    if ROPE_FREQS_TENSOR in names:
+        keys["rope_parameters"] = _llama3_rope(reader, config["rope_parameters"], config["head_dim"])
     if arch == "phi3":
         rotary = int(meta("rope.dimension_count", config["head_dim"]))
         keys.update(partial_rotary_factor=rotary / config["head_dim"], sliding_window=meta("attention.sliding_window"))

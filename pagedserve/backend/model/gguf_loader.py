@@ -56,7 +56,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
             _copy(layer.get_submodule(ours).weight, source.norm(f"blk.{i}.{theirs}.weight"), f"blk.{i}.{theirs}")
     model.norm.weight.data.copy_(source.norm("output_norm.weight"))
     _set_embeddings(model, source, cfg, dtype, device)
-    source.used.update(name for name in gguf_file.LONGROPE_TENSORS if name in source.tensors)  # read as config
+    config_tensors = (*gguf_file.LONGROPE_TENSORS, gguf_file.ROPE_FREQS_TENSOR)  # read into the config
+    source.used.update(name for name in config_tensors if name in source.tensors)
     source.check_all_used()
     prepare_quantized(model)
     model.init_rope(dtype, device)
