@@ -242,7 +242,9 @@ from pagedserve.kernels import quant_linear as ql
 from pagedserve.kernels.quant_linear import triton as quant_triton
 from pagedserve.kernels.aot import compile_launch, record_launches
 
-weights = [ql.quantize_int4(torch.zeros(4096, 4096), 128), ql.quantize_int8(torch.zeros(4096, 4096))]
+# GGUF Q6_K's form too: int8 in groups of 16 with fp32 scales (a K tile spans two groups).
+q6_k = ql.from_int_values(torch.zeros(4096, 4096, dtype=torch.int32), torch.ones(4096, 256), None, 8, 16)
+weights = [ql.quantize_int4(torch.zeros(4096, 4096), 128), ql.quantize_int8(torch.zeros(4096, 4096)), q6_k]
 with record_launches(quant_triton) as launches:
     for w in weights:
         for m in (1, 512):  # the decode tile and the prefill tile
@@ -255,8 +257,8 @@ def test_the_quantized_gemm_compiles_for_sm90_without_spills():
 
     # A fresh interpreter: here the kernels were decorated for TRITON_INTERPRET and cannot compile.
     configs = compile_for_sm90(_AOT_SCRIPT)
-    assert [(c["constexprs"]["BITS"], c["constexprs"]["BLOCK_M"]) for c in configs] == [(4, 16), (4, 64), (8, 16),
-                                                                                      (8, 64)]
+    assert [(c["constexprs"]["BITS"], c["constexprs"]["GROUP"], c["constexprs"]["BLOCK_M"]) for c in configs] == [
+        (4, 128, 16), (4, 128, 64), (8, 4096, 16), (8, 4096, 64), (8, 16, 16), (8, 16, 64)]
     for config in configs:
         assert config["stack_bytes"] == 0, config  # no register spills
         assert config["shared_bytes"] <= 232448, config  # 227 KB per block on sm_90
