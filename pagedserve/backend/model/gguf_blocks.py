@@ -17,6 +17,7 @@ import torch
 
 from pagedserve.kernels.quant_linear import QuantizedWeight, from_int_values
 
+_CHUNK_VALUES = 1 << 22
 # The 16 values an IQ4 nibble indexes (ggml's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -158,8 +159,10 @@ def unpack_blocks(kind: str, data: torch.Tensor, rows: int, cols: int) -> Quanti
     values, size, unpack = FORMATS[kind]
     if cols % values or data.numel() != rows * cols // values * size:
         raise ValueError(f"{kind} data of {data.numel()} bytes does not hold [{rows}, {cols}] in blocks of {values}")
-    unpacked = unpack(data.reshape(-1, size))
-    return from_int_values(unpacked.q.reshape(rows, cols).to(torch.int32),
-                           unpacked.scales.reshape(rows, -1),
-                           None if unpacked.offsets is None else unpacked.offsets.reshape(rows, -1),
-                           unpacked.bits, unpacked.group_size)
+    # A few million values at a time: the unpacking's wide temporaries stay small beside a large token table.
+    parts = [unpack(chunk) for chunk in data.reshape(-1, size).split(max(1, _CHUNK_VALUES // values))]
+    first = parts[0]
+    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts]).reshape(rows, -1)
+    return from_int_values(torch.cat([p.q for p in parts]).reshape(rows, cols),  # uint8 / int8, no int32 copy
+                           torch.cat([p.scales for p in parts]).reshape(rows, -1), offsets, first.bits,
+                           first.group_size)

@@ -146,7 +146,7 @@ def from_int_values(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     """A QuantizedWeight from unpacked integers [N, K] (signed for 8 bits, 0..15 for 4)."""
     in_features = q.shape[-1]
     if bits == 8:
-        if q.numel() and (q.min() < -128 or q.max() > 127):
+        if q.numel() and (q.min().item() < -128 or q.max().item() > 127):  # Python ints: uint8 q compares right
             raise ValueError("int8 values must lie in -128..127")
         qweight = q.to(torch.int8)
     else:
