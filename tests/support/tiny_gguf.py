@@ -125,9 +125,8 @@ def _center_affine(kind: str, raw: np.ndarray, halves: dict[int, np.ndarray]) ->
 
 
 def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metadata: dict | None = None) -> Path:
-    """The tiny HF model in `folder` as a GGUF of its architecture at `out` whose 2-D tensors are random valid
-    blocks of the type `kind_of(gguf_name)` gives (None: the float weight as it is), each row's values near the float
-    weight's scale; Gemma's norms stored as 1 + weight, Llama's Q/K rows permuted, as llama.cpp's converter does.
+    """The tiny HF model in `folder` as a GGUF of its architecture at `out` whose 2-D tensors are blocks of the type
+    `kind_of(gguf_name)` gives (None: the float weight as it is), see _blocks_of; Gemma's norms stored as 1 + weight, Llama's Q/K rows permuted, as llama.cpp's converter does.
     Writes the twin checkpoint of the dequantized fp32 weights beside it (`out`.ref/); `metadata` overrides
     config keys in the file's metadata only (to make it contradict its tensors)."""
     config = json.loads((folder / "config.json").read_text())
@@ -146,13 +145,22 @@ def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metada
             twin[name] = stored - 1 if arch.startswith("gemma") and "norm" in name else stored
             writer.add_tensor(target, (permute_qk(stored, heads) if heads else stored).numpy())
             continue
-        raw = random_blocks(kind, *tensor.shape, seed=seed * 1000 + i, rms=tensor.float().pow(2).mean().sqrt().item())
+        raw = _blocks_of(kind, tensor, seed * 1000 + i)
         twin[name] = torch.from_numpy(gguf.quants.dequantize(raw, getattr(Q, kind)))
         rows = permute_qk(torch.arange(tensor.shape[0]), heads).numpy() if heads else slice(None)
         writer.add_tensor(target, raw[rows], raw_dtype=getattr(Q, kind))
     _finish(writer)
     _write_twin(folder, out.with_suffix(".ref"), twin)
     return out
+
+
+def _blocks_of(kind: str, tensor: torch.Tensor, seed: int) -> np.ndarray:
+    """The float weight quantized by gguf itself where it can (Q8_0, Q4_0/1, Q5_0/1), else random valid blocks of
+    the weight's scale (gguf-py has no K-quant or IQ4 quantizer)."""
+    try:
+        return gguf.quants.quantize(tensor.float().numpy(), getattr(Q, kind))
+    except NotImplementedError:
+        return random_blocks(kind, *tensor.shape, seed=seed, rms=tensor.float().pow(2).mean().sqrt().item())
 
 
 def _finish(writer: gguf.GGUFWriter) -> None:
