@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from pagedserve.backend.model import gguf_blocks
+from pagedserve.kernels import native
+from pagedserve.kernels import quant_linear as ql
 from tests.support import tiny_gguf
 
 
@@ -69,3 +71,16 @@ def test_data_that_does_not_fill_the_shape_is_refused():
     raw = random_blocks("Q4_K", 2, 1, seed=0)
     with pytest.raises(ValueError, match=r"does not hold \[3, 256\]"):
         gguf_blocks.unpack_blocks("Q4_K", torch.from_numpy(raw), 3, 256)
+
+
+@pytest.mark.skipif(native.load() is None, reason="no native CPU kernels (no compiler)")
+@pytest.mark.parametrize(("kind", "bits_per_weight"), [("Q4_K", 6.0), ("Q6_K", 10.0), ("Q8_0", 8.5)])
+def test_a_prepared_weight_is_held_once_in_the_native_form(kind, bits_per_weight):
+    """Integers, scales and offsets live only in the native GEMM's tiles once prepared (fp32 scales for the
+    K-quants' d * sc, fp16 for Q8_0's d), and still dequantize exactly."""
+    raw = random_blocks(kind, 64, 1024 // gguf_blocks.FORMATS[kind][0], seed=3)
+    weight = gguf_blocks.unpack_blocks(kind, torch.from_numpy(raw), 64, 1024)
+    dense = weight.dequantize()
+    ql.prepare(weight)
+    assert (weight.nbytes() + weight.packed_nbytes()) * 8 / (64 * 1024) == bits_per_weight
+    assert torch.equal(weight.dequantize(), dense)

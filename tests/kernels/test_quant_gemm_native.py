@@ -78,13 +78,18 @@ def test_leading_dims_bias_and_an_empty_batch():
 
 
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (8, 32), (8, None)])
-def test_prepare_keeps_the_weight_once_and_gives_its_integers_back_exactly(bits, group_size):
+def test_prepare_keeps_the_weight_once_and_gives_its_integers_and_scales_back_exactly(bits, group_size):
     w = _weight(37, 128, bits, group_size, offsets=bits == 4, half=True)
-    q, dense = w.int_values(), w.dequantize()
+    q, dense, (scales, offsets) = w.int_values(), w.dequantize(), w.params()
     x = torch.randn(3, 128)
     before = cpu.quant_linear(x, w)
     extra = ql.prepare(w)
-    assert w.qweight is None and "qweight" not in w.tensors()
+    assert w.qweight is None and w.scales is None and w.tensors() == {} and w.nbytes() == 0
+    got_scales, got_offsets = w.params(torch.tensor([36, 2]))
+    assert torch.equal(got_scales.float(), scales[[36, 2]].float())
+    assert (got_offsets is None) == (offsets is None) and w.has_offsets == (offsets is not None)
+    if offsets is not None:
+        assert torch.equal(got_offsets.float(), offsets[[36, 2]].float())
     tiles, groups = 3, 128 // (group_size or 128)  # 37 rows pad to 3 tiles of 16
     per_row = 128 if bits == 8 else 64
     assert extra == tiles * 16 * (per_row + groups * 2 * (2 if bits == 4 else 1))

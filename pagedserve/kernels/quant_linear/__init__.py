@@ -27,9 +27,10 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
 
 
 def prepare(weight: QuantizedWeight, release: bool = True) -> int:
-    """Build the backend's packed form of `weight` for its device now, dropping the canonical integers it
-    duplicates unless `release` is False; returns the bytes the packed forms add."""
-    module = _IMPLEMENTATIONS.select(weight.scales)
+    """Build the backend's packed form of `weight` for its device now, dropping the canonical integers (and, for
+    the native CPU form, scales and offsets) it duplicates unless `release` is False; returns the bytes the packed
+    forms add."""
+    module = _IMPLEMENTATIONS.select(torch.empty(0, device=weight.device))
     return module.prepare(weight, release) if hasattr(module, "prepare") else 0
 
 

@@ -36,8 +36,9 @@ def _int4_packed(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """(torch's int4 pack, scales and zeros [G, N, 2]); torch dequantizes (q - 8) * scale + zero."""
     if "cpu_int4" not in weight.packed:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.int_values(), 2)
-        scales = weight.scales.to(torch.float32)
-        offsets = weight.offsets.to(torch.float32) if weight.offsets is not None else torch.zeros_like(scales)
+        scales, offsets = weight.params()
+        scales = scales.to(torch.float32)
+        offsets = offsets.to(torch.float32) if offsets is not None else torch.zeros_like(scales)
         zeros = offsets + 8 * scales
         scale_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE)
         weight.packed["cpu_int4"] = (packed, scale_and_zeros)
@@ -51,11 +52,12 @@ def _int8_packed(weight: QuantizedWeight) -> list[tuple[torch.Tensor, torch.Tens
     """
     if "cpu_int8" not in weight.packed:
         groups = []
+        qweight, (scales, all_offsets) = weight.canonical_qweight(), weight.params()
         for g in range(weight.num_groups):
             cols = slice(g * weight.group_size, (g + 1) * weight.group_size)
-            q = weight.qweight if weight.num_groups == 1 else weight.qweight[:, cols].contiguous()
-            offsets = None if weight.offsets is None else weight.offsets[:, g].to(torch.float32).contiguous()
-            groups.append((q, weight.scales[:, g].to(COMPUTE_DTYPE).contiguous(), offsets))
+            q = qweight if weight.num_groups == 1 else qweight[:, cols].contiguous()
+            offsets = None if all_offsets is None else all_offsets[:, g].to(torch.float32).contiguous()
+            groups.append((q, scales[:, g].to(COMPUTE_DTYPE).contiguous(), offsets))
         weight.packed["cpu_int8"] = groups
     return weight.packed["cpu_int8"]
 
@@ -72,11 +74,14 @@ def _native_packed(weight: QuantizedWeight) -> native_gemm.NativePacked | None:
 
 def prepare(weight: QuantizedWeight, release: bool = True) -> int:
     """Build the packed form now (at load, not in the first step) and, with `release`, drop the canonical qweight
-    it duplicates (its integers stay readable through the packed form); returns the bytes the forms add."""
+    it duplicates, and the scales and offsets where the native form holds them (all stay readable through the
+    packed form); returns the bytes the forms add."""
     packed = _native_packed(weight)
     if packed is not None:
         if release and weight.qweight is not None:
             weight.release_qweight(native_gemm.unpacker(packed, weight))
+        if release and weight.scales is not None:
+            weight.release_params(native_gemm.params_unpacker(packed))
     elif int4_fits(weight):
         packed, _ = _int4_packed(weight)
         if release and weight.qweight is not None:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 BITS = (4, 8)
+# rows (all: None) -> (scales, offsets or None) of those rows.
+ParamsUnpacker = Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass(eq=False)
@@ -22,7 +24,7 @@ class QuantizedWeight:
     """A [out_features, in_features] weight as integers, per-group scales and optional per-group offsets."""
 
     qweight: torch.Tensor  # bits 8: int8 [N, K]; bits 4: uint8 [N, ceil(K / 2)]
-    scales: torch.Tensor  # [N, ceil(K / group_size)] float
+    scales: torch.Tensor  # [N, ceil(K / group_size)] float (None once released: release_params)
     offsets: torch.Tensor | None  # like scales, or None
     bits: int
     group_size: int  # in_features for one scale per output channel
@@ -31,8 +33,15 @@ class QuantizedWeight:
     packed: dict[str, Any] = field(default_factory=dict, repr=False)
     # Set when a backend's packed form replaced qweight (release_qweight): the integers of some rows (all: None).
     unpacker: Callable[[torch.Tensor | None], torch.Tensor] | None = field(default=None, repr=False)
+    # Set when a backend's packed form replaced scales and offsets (release_params): (scales, offsets) of some rows.
+    params_unpacker: ParamsUnpacker | None = field(default=None, repr=False)
+    _out_features: int = field(default=0, init=False, repr=False)
+    _has_offsets: bool = field(default=False, init=False, repr=False)
+    _device: torch.device = field(default=torch.device("cpu"), init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._out_features, self._has_offsets = self.scales.shape[0], self.offsets is not None
+        self._device = self.scales.device
         n, k, groups = self.out_features, self.in_features, self.num_groups
         if self.bits not in BITS:
             raise ValueError(f"quantized weights have 4 or 8 bits, got {self.bits}")
@@ -50,7 +59,12 @@ class QuantizedWeight:
 
     @property
     def out_features(self) -> int:
-        return self.scales.shape[0]
+        return self._out_features
+
+    @property
+    def has_offsets(self) -> bool:
+        """Whether the weight has offsets (held, or released with the scales)."""
+        return self._has_offsets
 
     @property
     def num_groups(self) -> int:
@@ -58,16 +72,29 @@ class QuantizedWeight:
 
     @property
     def device(self) -> torch.device:
-        return self.scales.device
+        return self._device
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The stored tensors by name (qweight absent once released)."""
-        named = {"scales": self.scales} if self.qweight is None else {"qweight": self.qweight, "scales": self.scales}
-        return named if self.offsets is None else {**named, "offsets": self.offsets}
+        """The stored tensors by name (those released to a packed form absent)."""
+        named = {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
+        return {name: t for name, t in named.items() if t is not None}
 
     def release_qweight(self, unpacker: Callable[[torch.Tensor | None], torch.Tensor]) -> None:
         """Drop qweight once a backend's packed form holds the same integers; `unpacker(rows)` gives them back."""
         self.qweight, self.unpacker = None, unpacker
+
+    def release_params(self, unpacker: ParamsUnpacker) -> None:
+        """Drop scales and offsets once a backend's packed form holds the same values; `unpacker(rows)` gives
+        (scales, offsets) back, exactly (perhaps in another float dtype)."""
+        self.scales, self.offsets, self.params_unpacker = None, None, unpacker
+
+    def params(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scales, offsets or None) of `rows` (all: None), from the packed form when released."""
+        if self.scales is None:
+            return self.params_unpacker(rows)
+        if rows is None:
+            return self.scales, self.offsets
+        return self.scales[rows], None if self.offsets is None else self.offsets[rows]
 
     def canonical_qweight(self) -> torch.Tensor:
         """qweight, rebuilt from the packed form when it was released."""
@@ -97,9 +124,10 @@ class QuantizedWeight:
         """The same weight on another device (packed forms are rebuilt there); itself when already there."""
         if self.device == torch.device(device):
             return self
-        offsets = None if self.offsets is None else self.offsets.to(device)
-        return QuantizedWeight(self.canonical_qweight().to(device), self.scales.to(device), offsets, self.bits,
-                               self.group_size, self.in_features)
+        scales, offsets = self.params()
+        return QuantizedWeight(self.canonical_qweight().to(device), scales.to(device),
+                               None if offsets is None else offsets.to(device), self.bits, self.group_size,
+                               self.in_features)
 
     def int_values(self, rows: torch.Tensor | None = None) -> torch.Tensor:  # [N or len(rows), K] int32
         """The integers q (of `rows` only, when given), unpacked."""
@@ -111,10 +139,9 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """W (or its `rows`) computed in fp32 and then cast to `dtype`."""
         q = self.int_values(rows)
-        scales = self.scales if rows is None else self.scales[rows]
+        scales, offsets = self.params(rows)
         w = q.to(torch.float32) * _per_column(scales, self.group_size, self.in_features)
-        if self.offsets is not None:
-            offsets = self.offsets if rows is None else self.offsets[rows]
+        if offsets is not None:
             w = w + _per_column(offsets, self.group_size, self.in_features)
         return w.to(dtype)
 
@@ -157,8 +184,8 @@ def from_int_values(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 
 def select_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
     """The weight's output rows in the order of `rows` (exact: rows carry their own scales)."""
-    offsets = None if weight.offsets is None else weight.offsets[rows]
-    return QuantizedWeight(weight.canonical_qweight()[rows].contiguous(), weight.scales[rows].contiguous(),
+    scales, offsets = weight.params(rows)
+    return QuantizedWeight(weight.canonical_qweight()[rows].contiguous(), scales.contiguous(),
                            None if offsets is None else offsets.contiguous(), weight.bits, weight.group_size,
                            weight.in_features)
 
@@ -172,9 +199,10 @@ def regroup(weight: QuantizedWeight, group_size: int) -> QuantizedWeight:
         raise ValueError(f"groups of {weight.group_size} over {weight.in_features} columns do not split into groups "
                          f"of {group_size}")
     times = weight.group_size // group_size
-    offsets = None if weight.offsets is None else weight.offsets.repeat_interleave(times, dim=1)
-    return QuantizedWeight(weight.canonical_qweight(), weight.scales.repeat_interleave(times, dim=1), offsets,
-                           weight.bits, group_size, weight.in_features)
+    scales, offsets = weight.params()
+    return QuantizedWeight(weight.canonical_qweight(), scales.repeat_interleave(times, dim=1),
+                           None if offsets is None else offsets.repeat_interleave(times, dim=1), weight.bits,
+                           group_size, weight.in_features)
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -191,19 +219,20 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
         raise ValueError("fused parts need the same group size (or whole groups that the smallest divides): "
                          f"{[(w.group_size, w.in_features) for w in weights]}")
     bits = max(w.bits for w in weights)
-    any_offsets = any(w.offsets is not None for w in weights)
+    any_offsets = any(w.has_offsets for w in weights)
+    params = [w.params() for w in weights]
 
     def common(tensors: list[torch.Tensor]) -> torch.Tensor:
         same = all(t.dtype == tensors[0].dtype for t in tensors)
         return torch.cat(tensors if same else [t.to(torch.float32) for t in tensors])
 
-    def offsets(w: QuantizedWeight) -> torch.Tensor:
-        return w.offsets if w.offsets is not None else torch.zeros_like(w.scales)
+    def offsets(scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+        return offsets if offsets is not None else torch.zeros_like(scales)
 
     if bits == 4:
         qweight = torch.cat([w.canonical_qweight() for w in weights])
     else:
         qweight = torch.cat([w.canonical_qweight() if w.bits == 8 else w.int_values().to(torch.int8) for w in weights])
-    return QuantizedWeight(qweight, common([w.scales for w in weights]),
-                           common([offsets(w) for w in weights]) if any_offsets else None, bits,
+    return QuantizedWeight(qweight, common([scales for scales, _ in params]),
+                           common([offsets(*p) for p in params]) if any_offsets else None, bits,
                            first.group_size, first.in_features)

@@ -67,7 +67,7 @@ def pack(weight: QuantizedWeight) -> NativePacked:
     else:
         q = q.to(torch.uint8)
         packed = _tiles(q[:, 0::2] | (q[:, 1::2] << 4))
-    scales, offsets = _params(weight.scales, weight.offsets)
+    scales, offsets = _params(*weight.params())
     args = (packed.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
             weight.out_features, weight.in_features, weight.group_size, weight.bits,
             int(scales.dtype == torch.float16))
@@ -84,6 +84,20 @@ def unpacker(packed: NativePacked, weight: QuantizedWeight):
         if weight.bits == 4:
             q = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)[:, :k]
         return q.to(torch.int32)
+
+    return unpack
+
+
+def params_unpacker(packed: NativePacked):
+    """(scales, offsets or None) [rows, groups] read back from the packed tiles (in their fp16 or fp32), only the
+    rows asked for."""
+    n = packed.weight_args[3]
+
+    def unpack(rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = torch.arange(n) if rows is None else rows.long()
+        tile, lane = rows // TILE, rows % TILE
+        offsets = None if packed.offsets is None else packed.offsets[tile, :, lane]
+        return packed.scales[tile, :, lane], offsets
 
     return unpack
 

@@ -74,20 +74,21 @@ def _quant_linear_kernel(
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.quant_linear.quant_linear: programs over (row tile, output tile)."""
-    q = weight.canonical_qweight()
+    q, (scales, offsets) = weight.canonical_qweight(), weight.params()
     assert x.shape[-1] == weight.in_features and q.stride(-1) == 1, "x must be [..., K]; qweight rows contiguous"
-    assert weight.scales.stride(-1) == 1 and (weight.offsets is None or weight.offsets.stride(-1) == 1)
+    assert scales.stride(-1) == 1 and (offsets is None or offsets.stride(-1) == 1)
     rows = x.reshape(-1, weight.in_features).contiguous()
     m, n, k = rows.shape[0], weight.out_features, weight.in_features
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         block_m = 16 if m <= 16 else 64
         block_n = 64 if m <= 16 else 128
-        offsets = weight.offsets if weight.offsets is not None else weight.scales
+        has_offsets = offsets is not None
+        offsets = offsets if has_offsets else scales
         _quant_linear_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-            out, rows, q, weight.scales, offsets, bias if bias is not None else weight.scales,
-            m, n, k, rows.stride(0), out.stride(0), q.stride(0), weight.scales.stride(0), offsets.stride(0),
-            GROUP=weight.group_size, BITS=weight.bits, HAS_OFFSETS=weight.offsets is not None,
+            out, rows, q, scales, offsets, bias if bias is not None else scales,
+            m, n, k, rows.stride(0), out.stride(0), q.stride(0), scales.stride(0), offsets.stride(0),
+            GROUP=weight.group_size, BITS=weight.bits, HAS_OFFSETS=has_offsets,
             HAS_BIAS=bias is not None, TILE_IN_ONE_GROUP=weight.group_size % _BLOCK_K == 0 or weight.group_size >= k,
             IEEE=_dot_dtype(x.dtype) == tl.float32, DOT_DTYPE=_dot_dtype(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, num_warps=4,
         )
