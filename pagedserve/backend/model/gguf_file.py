@@ -153,7 +153,7 @@ def _llama3_rope(reader: Any, rope: dict[str, Any], head_dim: int) -> dict[str, 
         smooth = (original / wavelen - low) / (high - low)
         want = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor,
                                                                  1 / ((1 - smooth) / factor + smooth)))
-        if stored.shape == want.shape and np.allclose(stored, want, rtol=1e-6, atol=0):
+        if stored.shape == want.shape and np.allclose(stored, want, rtol=1e-5, atol=0):
             return {**rope, "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                     "original_max_position_embeddings": original}
     raise GGUFError(f"GGUF tensor {ROPE_FREQS_TENSOR!r} holds rope factors that no llama3 rope scaling reproduces")
