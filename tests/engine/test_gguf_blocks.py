@@ -74,13 +74,22 @@ def test_data_that_does_not_fill_the_shape_is_refused():
 
 
 @pytest.mark.skipif(native.load() is None, reason="no native CPU kernels (no compiler)")
-@pytest.mark.parametrize(("kind", "bits_per_weight"), [("Q4_K", 6.0), ("Q6_K", 10.0), ("Q8_0", 8.5)])
+# Q4_K: 4-bit integers, an int8 scale and min step per 32 and two fp16 per 256 (the file: 4.5); Q6_K: int8 integers,
+# an int8 step per 16 and an fp16 per 256 (the file: 6.5625); Q8_0: int8 and an fp16 per 32, as the file.
+@pytest.mark.parametrize(("kind", "bits_per_weight"), [("Q4_K", 4.625), ("Q6_K", 8.5625), ("Q8_0", 8.5),
+                                                       ("Q2_K", 5.125), ("IQ4_XS", 8.3125)])
 def test_a_prepared_weight_is_held_once_in_the_native_form(kind, bits_per_weight):
-    """Integers, scales and offsets live only in the native GEMM's tiles once prepared (fp32 scales for the
-    K-quants' d * sc, fp16 for Q8_0's d), and still dequantize exactly."""
+    """Integers, scales and offsets live only in the native GEMM's tiles once prepared (the K-quants' scales as
+    their int8 steps times an fp16 per super-block, Q8_0's d as fp16), and still dequantize exactly."""
     raw = random_blocks(kind, 64, 1024 // gguf_blocks.FORMATS[kind][0], seed=3)
     weight = gguf_blocks.unpack_blocks(kind, torch.from_numpy(raw), 64, 1024)
     dense = weight.dequantize()
     ql.prepare(weight)
     assert (weight.nbytes() + weight.packed_nbytes()) * 8 / (64 * 1024) == bits_per_weight
     assert torch.equal(weight.dequantize(), dense)
+    assert torch.equal(weight.dequantize(rows=torch.tensor([63, 0, 17])), dense[[63, 0, 17]])
+    for m in (1, 5, 9):  # the native GEMM on the factored scales: the exact product to fp32 rounding
+        x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m))
+        exact = x.double() @ dense.double().T
+        terms = (x.double().abs() @ dense.double().abs().T).max().item()
+        assert (ql.quant_linear(x, weight).double() - exact).abs().max().item() <= 1024**0.5 * 2**-24 * terms

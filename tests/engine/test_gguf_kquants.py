@@ -14,6 +14,8 @@ from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear
+from pagedserve.kernels import native
+from pagedserve.kernels.quant_linear import native_gemm
 from pagedserve.testing import make_tiny_model
 from tests.support import tiny_gguf
 from tests.support.engines import cpu_engine, greedy
@@ -75,6 +77,8 @@ def test_a_q4_k_m_mix_fuses_q4_k_with_q6_k_exactly_and_gives_transformers_greedy
     ref = load_file(str(path.with_suffix(".ref") / "model.safetensors"))
     qkv = torch.cat([ref[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(mixed.dequantize(), qkv)
+    if native.load() is not None:  # Q4_K's steps regrouped to 16 beside Q6_K's: the fused weight keeps the factoring
+        assert mixed.packed["cpu_native"].kind == native_gemm.STEPS_TIMES_HALF
     assert torch.equal(model.lm_head.weight.dequantize(), ref["lm_head.weight"])
     _assert_greedy_matches_transformers(path, hf_reference)
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from pagedserve.kernels.quant_linear import QuantizedWeight, from_int_values
+from pagedserve.kernels.quant_linear.layout import ScaleFactors
 
 _CHUNK_VALUES = 1 << 22
 # The 16 values an IQ4 nibble indexes (ggml's kvalues_iq4nl).
@@ -23,17 +24,30 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 
 
 class Unpacked(NamedTuple):
-    """One format's blocks unpacked: q [B, values], scales and offsets [B, sub-blocks], bits and group size."""
+    """One format's blocks unpacked: q [B, values], scales and offsets [B, sub-blocks], bits and group size; for the
+    super-block formats also the factoring they store, (int8 steps [B, sub-blocks], fp16 per block [B, 1]) for the
+    scales and (when affine) the offsets."""
 
     q: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None
     bits: int
     group_size: int
+    scale_factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    offset_factors: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:  # [B, bytes] -> [B, 1] fp32 from the fp16 at byte `at`
     return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _factored(blocks: torch.Tensor, at: int, steps: torch.Tensor, negate: bool = False) -> tuple[torch.Tensor, ...]:
+    """(the fp32 values d * steps, int8 steps, the fp16 d) of a super-block's scales or, negated, its offsets:
+    -(dmin * m) == (-dmin) * m exactly."""
+    d = blocks[:, at:at + 2].contiguous().view(torch.float16)
+    d = -d if negate else d
+    steps = steps.to(torch.int8)
+    return d.float() * steps.float(), steps, d
 
 
 def _spread(packed: torch.Tensor, shifts: tuple[int, ...] | range, mask: int) -> torch.Tensor:
@@ -85,7 +99,13 @@ def _q5_1(b: torch.Tensor) -> Unpacked:
 def _q2_k(b: torch.Tensor) -> Unpacked:
     n, scales = b.shape[0], b[:, :16]
     q = _spread(b[:, 16:80].view(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 256)
-    return Unpacked(q, _half(b, 80) * (scales & 15).float(), -(_half(b, 82) * (scales >> 4).float()), 4, 16)
+    return _affine(q, _factored(b, 80, scales & 15), _factored(b, 82, scales >> 4, negate=True), 4, 16)
+
+
+def _affine(q: torch.Tensor, scales: tuple[torch.Tensor, ...], offsets: tuple[torch.Tensor, ...] | None, bits: int,
+            group_size: int) -> Unpacked:
+    return Unpacked(q, scales[0], None if offsets is None else offsets[0], bits, group_size, scales[1:],
+                    None if offsets is None else offsets[1:])
 
 
 def _q3_k(b: torch.Tensor) -> Unpacked:
@@ -95,29 +115,29 @@ def _q3_k(b: torch.Tensor) -> Unpacked:
     low = _spread(b[:, 32:96].view(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 256).to(torch.int8)
     high = _spread(b[:, :32], range(8), 1).reshape(n, 256).to(torch.int8)
     # A clear high bit means 4 is subtracted.
-    return Unpacked(low - 4 * (1 - high), _half(b, 108) * (six_bit.to(torch.int8) - 32).float(), None, 8, 16)
+    return _affine(low - 4 * (1 - high), _factored(b, 108, six_bit.to(torch.int8) - 32), None, 8, 16)
 
 
 def _q4_k(b: torch.Tensor) -> Unpacked:
     n = b.shape[0]
     scales, mins = _k4_scales(b[:, 4:16])
     q = _nibbles(b[:, 16:144].view(n, 4, 32))
-    return Unpacked(q, _half(b, 0) * scales.float(), -(_half(b, 2) * mins.float()), 4, 32)
+    return _affine(q, _factored(b, 0, scales), _factored(b, 2, mins, negate=True), 4, 32)
 
 
 def _q5_k(b: torch.Tensor) -> Unpacked:
     n = b.shape[0]
     scales, mins = _k4_scales(b[:, 4:16])
     q = _nibbles(b[:, 48:176].view(n, 4, 32)) | (_spread(b[:, 16:48], range(8), 1).reshape(n, 256) << 4)
-    return Unpacked(q, _half(b, 0) * scales.float(), -(_half(b, 2) * mins.float()), 8, 32)
+    return _affine(q, _factored(b, 0, scales), _factored(b, 2, mins, negate=True), 8, 32)
 
 
 def _q6_k(b: torch.Tensor) -> Unpacked:
     n = b.shape[0]
     low = _nibbles(b[:, :128].view(n, 2, 64))
     high = _spread(b[:, 128:192].view(n, 2, 32), (0, 2, 4, 6), 3).reshape(n, 256)
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    return Unpacked((low | (high << 4)).to(torch.int8) - 32, _half(b, 208) * scales, None, 8, 16)
+    scales = b[:, 192:208].contiguous().view(torch.int8)
+    return _affine((low | (high << 4)).to(torch.int8) - 32, _factored(b, 208, scales), None, 8, 16)
 
 
 def _iq4_nl(b: torch.Tensor) -> Unpacked:
@@ -129,8 +149,8 @@ def _iq4_xs(b: torch.Tensor) -> Unpacked:
     low = ((b[:, 4:8].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 15).reshape(n, 8)
     high_bits = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)
     high = (high_bits.unsqueeze(-1) >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
-    scales = _half(b, 0) * ((low.to(torch.int32) | (high << 4)) - 32).float()
-    return Unpacked(_iq4(_nibbles(b[:, 8:136].view(n, 8, 16).unsqueeze(2)).view(n, 256)), scales, None, 8, 32)
+    scales = _factored(b, 0, (low.to(torch.int32) | (high << 4)) - 32)
+    return _affine(_iq4(_nibbles(b[:, 8:136].view(n, 8, 16).unsqueeze(2)).view(n, 256)), scales, None, 8, 32)
 
 
 def _iq4(nibbles: torch.Tensor) -> torch.Tensor:
@@ -162,7 +182,17 @@ def unpack_blocks(kind: str, data: torch.Tensor, rows: int, cols: int) -> Quanti
     # A few million values at a time: the unpacking's wide temporaries stay small beside a large token table.
     parts = [unpack(chunk) for chunk in data.reshape(-1, size).split(max(1, _CHUNK_VALUES // values))]
     first = parts[0]
-    offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts]).reshape(rows, -1)
-    return from_int_values(torch.cat([p.q for p in parts]).reshape(rows, cols),  # uint8 / int8, no int32 copy
-                           torch.cat([p.scales for p in parts]).reshape(rows, -1), offsets, first.bits,
-                           first.group_size)
+
+    def joined(pick: Callable[[Unpacked], torch.Tensor]) -> torch.Tensor:
+        return torch.cat([pick(p) for p in parts]).reshape(rows, -1)
+
+    offsets = None if first.offsets is None else joined(lambda p: p.offsets)
+    weight = from_int_values(torch.cat([p.q for p in parts]).reshape(rows, cols),  # uint8 / int8, no int32 copy
+                             joined(lambda p: p.scales), offsets, first.bits, first.group_size)
+    if first.scale_factors is not None:
+        steps = [joined(lambda p, i=i: p.scale_factors[i]) for i in (0, 1)]
+        if first.offset_factors is not None:
+            steps += [joined(lambda p, i=i: p.offset_factors[i]) for i in (0, 1)]
+        weight.factors = ScaleFactors(steps[0], steps[1], *(steps[2:] or [None, None]),
+                                      values // first.group_size)
+    return weight

@@ -10,13 +10,35 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 BITS = (4, 8)
 # rows (all: None) -> (scales, offsets or None) of those rows.
 ParamsUnpacker = Callable[[torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class ScaleFactors(NamedTuple):
+    """Scales (and offsets) factored as int8 steps per group times an fp16 per super-block of `per_super` groups,
+    as GGUF's K-quants store them (d * sc, -dmin * m): scales == super.repeat_interleave(per_super) * steps exactly
+    in fp32. A backend may hold these instead of fp32 scales."""
+
+    scale_steps: torch.Tensor  # int8 [N, G]
+    scale_super: torch.Tensor  # fp16 [N, G / per_super]
+    offset_steps: torch.Tensor | None  # like scale_steps, or None (no offsets)
+    offset_super: torch.Tensor | None
+    per_super: int
+
+    def rows(self, rows: torch.Tensor) -> ScaleFactors:
+        """The factors of `rows`."""
+        pick = lambda t: None if t is None else t[rows].contiguous()  # noqa: E731
+        return ScaleFactors(pick(self.scale_steps), pick(self.scale_super), pick(self.offset_steps),
+                            pick(self.offset_super), self.per_super)
+
+    def to(self, device: torch.device | str) -> ScaleFactors:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return ScaleFactors(*(move(t) for t in self[:4]), self.per_super)
 
 
 @dataclass(eq=False)
@@ -35,6 +57,8 @@ class QuantizedWeight:
     unpacker: Callable[[torch.Tensor | None], torch.Tensor] | None = field(default=None, repr=False)
     # Set when a backend's packed form replaced scales and offsets (release_params): (scales, offsets) of some rows.
     params_unpacker: ParamsUnpacker | None = field(default=None, repr=False)
+    # The scales and offsets factored as the source stored them (GGUF K-quants), or None.
+    factors: ScaleFactors | None = field(default=None, repr=False)
     _out_features: int = field(default=0, init=False, repr=False)
     _has_offsets: bool = field(default=False, init=False, repr=False)
     _device: torch.device = field(default=torch.device("cpu"), init=False, repr=False)
@@ -51,6 +75,11 @@ class QuantizedWeight:
         if (self.qweight.dtype, tuple(self.qweight.shape)) != want:
             raise ValueError(f"{self.bits}-bit qweight must be {want[0]} {want[1]}, got "
                              f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+        if self.factors is not None and (self.num_groups % self.factors.per_super or tuple(
+                self.factors.scale_steps.shape) != (n, groups) or (self.factors.offset_steps is None) != (
+                self.offsets is None)):
+            raise ValueError(f"scale factors must be int8 steps [{n}, {groups}] in whole super-blocks, with offset "
+                             f"steps exactly when there are offsets")
         for name in ("scales", "offsets"):
             tensor = getattr(self, name)
             if tensor is not None and (tuple(tensor.shape) != (n, groups) or not tensor.is_floating_point()):
@@ -77,6 +106,9 @@ class QuantizedWeight:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by name (those released to a packed form absent)."""
         named = {"qweight": self.qweight, "scales": self.scales, "offsets": self.offsets}
+        if self.factors is not None:
+            named.update(zip(("scale_steps", "scale_super", "offset_steps", "offset_super"), self.factors[:4],
+                             strict=True))
         return {name: t for name, t in named.items() if t is not None}
 
     def release_qweight(self, unpacker: Callable[[torch.Tensor | None], torch.Tensor]) -> None:
@@ -86,7 +118,7 @@ class QuantizedWeight:
     def release_params(self, unpacker: ParamsUnpacker) -> None:
         """Drop scales and offsets once a backend's packed form holds the same values; `unpacker(rows)` gives
         (scales, offsets) back, exactly (perhaps in another float dtype)."""
-        self.scales, self.offsets, self.params_unpacker = None, None, unpacker
+        self.scales, self.offsets, self.factors, self.params_unpacker = None, None, None, unpacker
 
     def params(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scales, offsets or None) of `rows` (all: None), from the packed form when released."""
@@ -125,9 +157,10 @@ class QuantizedWeight:
         if self.device == torch.device(device):
             return self
         scales, offsets = self.params()
+        factors = None if self.factors is None else self.factors.to(device)
         return QuantizedWeight(self.canonical_qweight().to(device), scales.to(device),
                                None if offsets is None else offsets.to(device), self.bits, self.group_size,
-                               self.in_features)
+                               self.in_features, factors=factors)
 
     def int_values(self, rows: torch.Tensor | None = None) -> torch.Tensor:  # [N or len(rows), K] int32
         """The integers q (of `rows` only, when given), unpacked."""
@@ -185,9 +218,10 @@ def from_int_values(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 def select_rows(weight: QuantizedWeight, rows: torch.Tensor) -> QuantizedWeight:
     """The weight's output rows in the order of `rows` (exact: rows carry their own scales)."""
     scales, offsets = weight.params(rows)
+    factors = None if weight.factors is None else weight.factors.rows(rows)
     return QuantizedWeight(weight.canonical_qweight()[rows].contiguous(), scales.contiguous(),
                            None if offsets is None else offsets.contiguous(), weight.bits, weight.group_size,
-                           weight.in_features)
+                           weight.in_features, factors=factors)
 
 
 def regroup(weight: QuantizedWeight, group_size: int) -> QuantizedWeight:
@@ -200,9 +234,14 @@ def regroup(weight: QuantizedWeight, group_size: int) -> QuantizedWeight:
                          f"of {group_size}")
     times = weight.group_size // group_size
     scales, offsets = weight.params()
+    factors = weight.factors
+    if factors is not None:
+        spread = lambda t: None if t is None else t.repeat_interleave(times, dim=1)  # noqa: E731
+        factors = ScaleFactors(spread(factors.scale_steps), factors.scale_super, spread(factors.offset_steps),
+                               factors.offset_super, factors.per_super * times)
     return QuantizedWeight(weight.canonical_qweight(), scales.repeat_interleave(times, dim=1),
                            None if offsets is None else offsets.repeat_interleave(times, dim=1), weight.bits,
-                           group_size, weight.in_features)
+                           group_size, weight.in_features, factors=factors)
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -235,4 +274,23 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
         qweight = torch.cat([w.canonical_qweight() if w.bits == 8 else w.int_values().to(torch.int8) for w in weights])
     return QuantizedWeight(qweight, common([scales for scales, _ in params]),
                            common([offsets(*p) for p in params]) if any_offsets else None, bits,
-                           first.group_size, first.in_features)
+                           first.group_size, first.in_features, factors=_concat_factors(weights, any_offsets))
+
+
+def _concat_factors(weights: list[QuantizedWeight], any_offsets: bool) -> ScaleFactors | None:
+    """The parts' factors stacked when every part has them with one super-block size (parts without offsets
+    get zero offset steps); else None."""
+    factors = [w.factors for w in weights]
+    if any(f is None for f in factors) or len({f.per_super for f in factors}) > 1:
+        return None
+
+    def offset_part(f: ScaleFactors) -> tuple[torch.Tensor, torch.Tensor]:
+        if f.offset_steps is not None:
+            return f.offset_steps, f.offset_super
+        return torch.zeros_like(f.scale_steps), torch.zeros_like(f.scale_super)
+
+    offset_parts = [offset_part(f) for f in factors] if any_offsets else None
+    return ScaleFactors(torch.cat([f.scale_steps for f in factors]), torch.cat([f.scale_super for f in factors]),
+                        None if offset_parts is None else torch.cat([steps for steps, _ in offset_parts]),
+                        None if offset_parts is None else torch.cat([sup for _, sup in offset_parts]),
+                        factors[0].per_super)

@@ -1,7 +1,8 @@
 """The native weight-only GEMM for few activation rows (`quant_gemm.cpp`): its packed layout and its call.
 
 The weight is packed once into tiles of 16 output rows, k-major inside a tile (one vector lane per output row),
-scales and offsets beside it per tile and group, fp16 where that holds them exactly, else fp32.
+scales and offsets beside it per tile and group: as int8 steps times an fp16 per super-block where the weight
+carries that factoring (GGUF K-quants), else fp16 where that holds them exactly, else fp32.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 TILE = 16
 _gemm = native.Function(
     "pagedserve_quant_gemm",
-    [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_int],
-    {2: "native quantized GEMM: bits must be 4 or 8", 3: "native quantized GEMM: K must be whole (even) groups"},
+    [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_int],
+    {2: "native quantized GEMM: bits must be 4 or 8", 3: "native quantized GEMM: K must be whole (even) groups",
+     4: "native quantized GEMM: scale steps need whole super-blocks of groups"},
 )
+# How the tiles hold scales and offsets (ParamsKind in quant_gemm.cpp).
+FLOAT32, FLOAT16, STEPS_TIMES_HALF = 0, 1, 2
 # Below 64 tiles per thread, one call is cheaper than handing work to another thread.
 _split = RangeSplitter("pagedserve-qgemm", min_per_thread=64)
 _DTYPE_CODES = {torch.float32: native.dtype_code(torch.empty(0)),
@@ -28,13 +32,18 @@ _DTYPE_CODES = {torch.float32: native.dtype_code(torch.empty(0)),
 
 
 class NativePacked(NamedTuple):
-    """The packed integers [tiles, K or K/2, 16] and per-tile scales/offsets [tiles, groups, 16], and the
-    kernel's per-weight arguments (pointers and sizes) worked out once."""
+    """The packed integers [tiles, K or K/2, 16], per-tile scales/offsets [tiles, groups, 16] (fp32, fp16 or int8
+    steps) with, for steps, their fp16 per super-block [tiles, groups / per_super, 16], and the kernel's per-weight
+    arguments (pointers and sizes) worked out once."""
 
     q: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor | None
-    weight_args: tuple[int, ...]  # q, scales, offsets pointers; n, k, group_size, bits, half
+    supers: tuple[torch.Tensor | None, torch.Tensor | None]  # scales', offsets' (STEPS_TIMES_HALF only)
+    kind: int
+    per_super: int
+    weight_args: tuple[int, ...]  # q, scales, offsets, scale super, offset super pointers; n, k, group_size, bits,
+    # kind, per_super
 
 
 def fits(weight: QuantizedWeight) -> bool:
@@ -67,11 +76,22 @@ def pack(weight: QuantizedWeight) -> NativePacked:
     else:
         q = q.to(torch.uint8)
         packed = _tiles(q[:, 0::2] | (q[:, 1::2] << 4))
-    scales, offsets = _params(*weight.params())
-    args = (packed.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
-            weight.out_features, weight.in_features, weight.group_size, weight.bits,
-            int(scales.dtype == torch.float16))
-    return NativePacked(packed, scales, offsets, args)
+    factors = weight.factors
+    if factors is not None:
+        scales, offsets = _tiles(factors.scale_steps), _optional_tiles(factors.offset_steps)
+        supers = (_tiles(factors.scale_super), _optional_tiles(factors.offset_super))
+        kind, per_super = STEPS_TIMES_HALF, factors.per_super
+    else:
+        scales, offsets = _params(*weight.params())
+        supers, kind, per_super = (None, None), int(scales.dtype == torch.float16), 1
+    pointers = (packed, scales, offsets, *supers)
+    args = (*(0 if t is None else t.data_ptr() for t in pointers), weight.out_features, weight.in_features,
+            weight.group_size, weight.bits, kind, per_super)
+    return NativePacked(packed, scales, offsets, supers, kind, per_super, args)
+
+
+def _optional_tiles(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _tiles(t)
 
 
 def unpacker(packed: NativePacked, weight: QuantizedWeight):
@@ -91,30 +111,38 @@ def unpacker(packed: NativePacked, weight: QuantizedWeight):
 def params_unpacker(packed: NativePacked):
     """(scales, offsets or None) [rows, groups] read back from the packed tiles (in their fp16 or fp32), only the
     rows asked for."""
-    n = packed.weight_args[3]
+    n = packed.weight_args[5]
+
+    def read(values: torch.Tensor | None, super_: torch.Tensor | None, tile: torch.Tensor,
+             lane: torch.Tensor) -> torch.Tensor | None:
+        if values is None:
+            return None
+        if packed.kind != STEPS_TIMES_HALF:
+            return values[tile, :, lane]
+        # fp16 times int8 steps, exact in fp32: the values an fp32 store would hold.
+        return super_[tile, :, lane].float().repeat_interleave(packed.per_super, dim=-1) * values[tile, :, lane]
 
     def unpack(rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         rows = torch.arange(n) if rows is None else rows.long()
         tile, lane = rows // TILE, rows % TILE
-        offsets = None if packed.offsets is None else packed.offsets[tile, :, lane]
-        return packed.scales[tile, :, lane], offsets
+        return read(packed.scales, packed.supers[0], tile, lane), read(packed.offsets, packed.supers[1], tile, lane)
 
     return unpack
 
 
 def gemm(x: torch.Tensor, packed: NativePacked) -> torch.Tensor:
     """x [M, K] (fp32 or bf16, contiguous) @ W.T -> [M, N] in x's dtype, split over threads by tiles."""
-    m, n = x.shape[0], packed.weight_args[3]
+    m, n = x.shape[0], packed.weight_args[5]
     out = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return out
     tiles = packed.q.shape[0]
     code = _DTYPE_CODES[x.dtype]
-    q, scales, offsets, *sizes = packed.weight_args
+    pointers, sizes = packed.weight_args[:5], packed.weight_args[5:]
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
 
     def run(begin: int, end: int) -> None:
-        _gemm(x_ptr, out_ptr, q, scales, offsets, m, *sizes, begin, end, code)
+        _gemm(x_ptr, out_ptr, *pointers, m, *sizes, begin, end, code)
 
     _split(run, tiles)
     return out

@@ -1,9 +1,10 @@
 // Weight-only quantized GEMM for few activation rows (decode): out[m, n] = sum_g scale[n, g] * sum_{k in g}
 // q[n, k] * x[m, k] + offset[n, g] * sum_{k in g} x[m, k], the integers times the scales in fp32, so the result
 // is the dequantized weight's product up to fp32 rounding. Each weight byte is read once per call.
-// Weights are packed by pagedserve/kernels/quant_linear/cpu.py in tiles of kTile output rows, k-major inside a tile:
-// int8: q[tile][k][kTile]; int4: q[tile][k / 2][kTile], k even in the low nibble. Scales and offsets are
-// [tile][group][kTile], fp32 or (when exact) fp16. One vector lane per output row: no horizontal sums.
+// Weights are packed by pagedserve/kernels/quant_linear/native_gemm.py in tiles of kTile output rows, k-major inside a
+// tile: int8: q[tile][k][kTile]; int4: q[tile][k / 2][kTile], k even in the low nibble. Scales and offsets are
+// [tile][group][kTile], fp32, fp16 (when exact) or int8 steps times an fp16 per super-block of groups
+// [tile][group / per_super][kTile] (GGUF K-quants' d * sc). One vector lane per output row: no horizontal sums.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -50,10 +51,8 @@ inline VecF half_to_float(const uint16_t* p) {
   return __builtin_bit_cast(VecF, __builtin_bit_cast(VecU32, scaled) | ((h & 0x8000u) << 16));
 }
 
-inline VecF load_params(const void* base, int64_t index, bool half) {
-  return half ? half_to_float(static_cast<const uint16_t*>(base) + index * kTile)
-              : load<VecF>(static_cast<const float*>(base) + index * kTile);
-}
+// How scales and offsets are stored (the kind argument).
+enum ParamsKind : int64_t { kFloat32 = 0, kFloat16 = 1, kStepsTimesHalf = 2 };
 
 // Independent sums per activation row: an FMA chain waits on its own previous result, so few rows need
 // several chains to keep both FMA ports busy (each int4 byte feeds two chains already).
@@ -145,9 +144,25 @@ struct Problem {
   const uint8_t* q;
   const void* scales;
   const void* offsets;  // or null
-  bool half;            // scales and offsets stored as fp16
+  int64_t kind;         // ParamsKind of scales and offsets
+  const uint16_t* scale_super;   // kStepsTimesHalf: fp16 [tile][group / per_super][kTile]
+  const uint16_t* offset_super;  // likewise for the offsets
+  int64_t per_super;
   int64_t n, k, group_size, groups, tile_bytes;
 };
+
+// A group's scales (or offsets) for the tile's rows. kStepsTimesHalf: the fp16 times the int8 step is exact in fp32
+// (11 by 8 significant bits), the same value an fp32 store would hold.
+inline VecF load_params(const Problem& p, const void* base, const uint16_t* super, int64_t tile, int64_t g) {
+  const int64_t index = tile * p.groups + g;
+  if (p.kind == kStepsTimesHalf) {
+    const int64_t supers = p.groups / p.per_super;
+    return half_to_float(super + (tile * supers + g / p.per_super) * kTile) *
+           to_float(load<VecI8>(static_cast<const int8_t*>(base) + index * kTile));
+  }
+  return p.kind == kFloat16 ? half_to_float(static_cast<const uint16_t*>(base) + index * kTile)
+                            : load<VecF>(static_cast<const float*>(base) + index * kTile);
+}
 
 // ROWS activation rows against one weight tile; writes the tile's valid output rows.
 template <typename T, int ROWS, int BITS>
@@ -166,11 +181,10 @@ void tile_rows(const Problem& p, int64_t tile, int64_t row0, T* out) {
 #else
     group_dot<ROWS, BITS>(q, x, p.k, g * p.group_size, p.group_size, part);
 #endif
-    const int64_t index = tile * p.groups + g;
-    const VecF scale = load_params(p.scales, index, p.half);
+    const VecF scale = load_params(p, p.scales, p.scale_super, tile, g);
     for (int r = 0; r < ROWS; ++r) acc[r] += part[r] * scale;
     if (p.offsets != nullptr) {
-      const VecF offset = load_params(p.offsets, index, p.half);
+      const VecF offset = load_params(p, p.offsets, p.offset_super, tile, g);
       for (int r = 0; r < ROWS; ++r) acc[r] += offset * p.xsum[(row0 + r) * p.groups + g];
     }
   }
@@ -218,15 +232,22 @@ void run(const T* x_in, T* out, Problem p, int64_t m, int bits, int64_t tile_beg
 
 }  // namespace
 
-// x [M, K] and out [M, N] in `dtype`; q, scales and offsets (may be null) packed as described above; computes
-// the output rows of tiles [tile_begin, tile_end). Status 2: bits not 4 or 8; 3: K not whole (even) groups.
+// x [M, K] and out [M, N] in `dtype`; q, scales and offsets (may be null) packed as described above, `kind` a
+// ParamsKind (kStepsTimesHalf: scale_super / offset_super and per_super too); computes the output rows of tiles
+// [tile_begin, tile_end). Status 2: bits not 4 or 8; 3: K not whole (even) groups; 4: groups not whole
+// super-blocks, or an unknown kind.
 extern "C" int pagedserve_quant_gemm(const void* x, void* out, const void* q, const void* scales,
-                                     const void* offsets, int64_t m, int64_t n, int64_t k, int64_t group_size,
-                                     int64_t bits, int64_t half_params, int64_t tile_begin, int64_t tile_end,
-                                     int dtype) {
+                                     const void* offsets, const void* scale_super, const void* offset_super,
+                                     int64_t m, int64_t n, int64_t k, int64_t group_size, int64_t bits, int64_t kind,
+                                     int64_t per_super, int64_t tile_begin, int64_t tile_end, int dtype) {
   if (bits != 4 && bits != 8) return 2;
   if (group_size < 1 || k % group_size != 0 || (bits == 4 && group_size % 2 != 0)) return 3;
-  Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q), scales, offsets, half_params != 0,
+  if (kind < kFloat32 || kind > kStepsTimesHalf ||
+      (kind == kStepsTimesHalf && (per_super < 1 || (k / group_size) % per_super != 0))) {
+    return 4;
+  }
+  Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q), scales, offsets, kind,
+            static_cast<const uint16_t*>(scale_super), static_cast<const uint16_t*>(offset_super), per_super,
             n, k, group_size, k / group_size, kTile * k * bits / 8};
   return pagedserve::with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
