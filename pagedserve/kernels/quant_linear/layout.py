@@ -3,7 +3,8 @@
 W[n, k] = q[n, k] * scales[n, k // group_size] + offsets[n, k // group_size] (offsets 0 when None), in fp32.
 int8 values are signed; int4 values are unsigned 0..15, two per byte (even k in the low nibble), so a
 symmetric int4 weight carries offsets = -8 * scales. Every source maps onto this form without rounding:
-GGUF Q8_0 (offsets None), Q4_0 (offsets -8d), Q4_1 (offsets m), GPTQ/AWQ (offsets -zero * scale).
+GGUF Q8_0 (offsets None), Q4_0 (offsets -8d), Q4_1 (offsets m), the K-quants (groups of 16 or 32, scales d * sc,
+offsets -dmin * m, also kept factored: ScaleFactors), GPTQ/AWQ (offsets -zero * scale).
 """
 
 from __future__ import annotations
