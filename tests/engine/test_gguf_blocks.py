@@ -93,3 +93,6 @@ def test_a_prepared_weight_is_held_once_in_the_native_form(kind, bits_per_weight
         exact = x.double() @ dense.double().T
         terms = (x.double().abs() @ dense.double().abs().T).max().item()
         assert (ql.quant_linear(x, weight).double() - exact).abs().max().item() <= 1024**0.5 * 2**-24 * terms
+        xb = x.bfloat16()  # bf16 activations: summed in fp32, rounded once to bf16
+        exact = xb.double() @ dense.double().T
+        assert ((ql.quant_linear(xb, weight).double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
