@@ -1,5 +1,6 @@
-"""Build the model from a GGUF file without dequantizing it: quantized tensors become QuantizedLinear /
-QuantizedEmbedding layers holding the file's own integers and scales; float tensors load as they are."""
+"""Build the model of the file's family (llama, qwen2, qwen3, phi3, gemma2, gemma3) from a GGUF file without
+dequantizing it: quantized tensors become QuantizedLinear / QuantizedEmbedding layers holding the file's own
+integers and scales; float tensors load as they are."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
         for ours, theirs in {**norms, **_HEAD_NORMS}.items():
             if ours in _HEAD_NORMS and not hasattr(layer.self_attn, ours.split(".")[1]):
                 continue
-            _copy(layer.get_submodule(ours).weight, source.norm(f"blk.{i}.{theirs}.weight"), f"blk.{i}.{theirs}")
+            weight_name = f"blk.{i}.{theirs}.weight"
+            _copy(layer.get_submodule(ours).weight, source.norm(weight_name), weight_name)
     model.norm.weight.data.copy_(source.norm("output_norm.weight"))
     _set_embeddings(model, source, cfg, dtype, device)
     config_tensors = (*gguf_file.LONGROPE_TENSORS, gguf_file.ROPE_FREQS_TENSOR)  # read into the config
