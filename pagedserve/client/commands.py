@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     else:
         parser.add_argument("--system", default=None, help="system message that starts the conversation")
-        parser.add_argument("--model", default=None, help="model folder for the chat template (default: ask Triton)")
+        parser.add_argument("--model", default=None, help="model folder or .gguf file for the chat template (default: ask Triton)")
     parser.add_argument("--url", default=DEFAULT_TRITON_URL, help="tritonserver gRPC address HOST:PORT")
     parser.add_argument("--max-tokens", type=int, default=None if name == "chat" else 64)
     parser.add_argument("--temperature", type=float, default=None)
@@ -118,6 +118,7 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _chat(args: argparse.Namespace) -> int:
+    from pagedserve.client.model_repository import tokenizer_folder
     from pagedserve.client.openai.chat_template import ChatTemplate
 
     client = TritonLLMClient(args.url)
@@ -126,7 +127,8 @@ async def _chat(args: argparse.Namespace) -> int:
         if not folder:
             print("error: the llm model names no model folder; pass --model", file=sys.stderr)
             return 2
-        template = ChatTemplate.from_model_dir(Path(folder))
+        # A .gguf file (the default model's default form) keeps its template in the folder made from its metadata.
+        template = ChatTemplate.from_model_dir(tokenizer_folder(folder))
         messages = [{"role": "system", "content": args.system}] if args.system else []
         interactive = sys.stdin.isatty()
         if interactive:

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.backend.model.default_model import DEFAULT_MODEL_FORMS, MODEL_NAME, default_model_path
 from pagedserve.client.engine_flags import add_engine_arguments, engine_flag_parameters
 from pagedserve.client.lora_options import add_lora_arguments, lora_modules, lora_parameters, lora_shim_flags
 from pagedserve.client.metrics_text import fetch_metrics, instance_metrics, model_metric  # noqa: F401 - callers' names
@@ -272,12 +273,24 @@ def _parse_params(items: Sequence[str]) -> dict[str, str]:
     return params
 
 
-def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: str) -> subprocess.Popen | None:
+def served_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The model path to serve and the shim's naming flags: --model, else the default model in the form
+    --default-model-form names, under its own name whichever form (the GGUF file's name is not the model's)."""
+    if args.model is not None:
+        if args.default_model_form is not None:
+            raise SystemExit("--default-model-form applies only without --model")
+        return str(Path(args.model).expanduser().resolve()), []
+    form = args.default_model_form or DEFAULT_MODEL_FORMS[0]
+    return str(Path(default_model_path(form)).resolve()), ["--model-name", MODEL_NAME]
+
+
+def _start_openai_shim(args: argparse.Namespace, server: TritonServer, model: str,
+                       naming: Sequence[str] = ()) -> subprocess.Popen | None:
     """Start the OpenAI shim beside the server when it is installed and wanted."""
     if args.no_openai or importlib.util.find_spec(OPENAI_MODULE) is None:
         return None
     return spawn_openai_shim(server.grpc_url, server.metrics_url, args.host, args.openai_port, "--model", model,
-                             *_tool_flags(args), *lora_shim_flags(args), start_new_session=True,
+                             *naming, *_tool_flags(args), *lora_shim_flags(args), start_new_session=True,
                              preexec_fn=_die_with_parent)
 
 
@@ -383,7 +396,11 @@ def _stop_process_group(proc: subprocess.Popen | None, timeout: float = 10.0) ->
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `serve` options."""
-    parser.add_argument("--model", help="model directory (safetensors + tokenizer); default: SmolLM2-135M-Instruct")
+    parser.add_argument("--model", help="model folder (safetensors + tokenizer) or .gguf file; default: "
+                        "SmolLM2-135M-Instruct")
+    parser.add_argument("--default-model-form", choices=DEFAULT_MODEL_FORMS, default=None,
+                        help="without --model: gguf serves the default model's Q4_1 file as stored (the default, "
+                        "fastest); folder serves it converted once to float32 safetensors")
     parser.add_argument("--instances", type=int, default=None, metavar="N",
                         help="llm model instances (engines; on the CPU they split the cores and the KV budget)")
     parser.add_argument("--instance-kind", choices=INSTANCE_KINDS, default=None,
@@ -435,12 +452,7 @@ def run(args: argparse.Namespace) -> int:
     params = _parse_params(args.param)
     params.update(engine_flag_parameters(args))  # checked by the engine at load
     params.update(lora_parameters(args))
-    model = args.model
-    if model is None:
-        from pagedserve.backend.model.default_model import ensure_default_model
-
-        model = str(ensure_default_model())
-    model = str(Path(model).expanduser().resolve())
+    model, naming = served_model(args)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     with tempfile.TemporaryDirectory(prefix="pagedserve-serve-") as tmp:
         work_dir = Path(tmp)
@@ -459,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             server.start()
             server.wait_ready(args.ready_timeout)
-            shim = _start_openai_shim(args, server, model)
+            shim = _start_openai_shim(args, server, model, naming)
             if shim is not None:
                 url = f"http://{_client_host(args.host)}:{args.openai_port}/health"
                 wait_for_http_ok(url, shim, args.ready_timeout)

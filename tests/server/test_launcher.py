@@ -3,6 +3,7 @@ default SmolLM2 model end to end, then stopping with no process left behind."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -18,16 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.backend.model.default_model import ensure_default_model
+from pagedserve.backend.model.default_model import MODEL_NAME, ensure_default_model, find_gguf
+from pagedserve.client import launcher as launcher_module
 from pagedserve.client.launcher import (
     DEFAULT_MODEL_REPOSITORY,
     OPENAI_MODULE,
     TritonInstall,
     TritonServer,
+    add_arguments,
     fill_parameters,
     find_tritonserver,
     layout_backend_dir,
     prepare_model_repository,
+    served_model,
 )
 from tests.support.servers import RunningTriton
 
@@ -63,6 +67,27 @@ def test_prepare_model_repository_fills_the_model_everywhere_and_leaves_the_sour
     for step in ("preprocessing", "postprocessing"):
         assert 'key: "tokenizer" value: { string_value: "/m/tiny" }' in (target / step / "config.pbtxt").read_text()
     assert (DEFAULT_MODEL_REPOSITORY / "llm" / "config.pbtxt").read_text() == source_llm
+
+
+def _serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_serve_without_model_serves_the_default_gguf_as_stored_and_the_folder_one_flag_away(tmp_path, monkeypatch):
+    forms = []
+    monkeypatch.setattr(launcher_module, "default_model_path",
+                        lambda form: forms.append(form) or str(tmp_path / f"default-{form}"))
+    naming = ["--model-name", MODEL_NAME]  # the model's name on /v1/models whichever form serves it
+    assert served_model(_serve_args()) == (str(tmp_path / "default-gguf"), naming)
+    assert served_model(_serve_args("--default-model-form", "folder")) == (str(tmp_path / "default-folder"), naming)
+    assert forms == ["gguf", "folder"]
+    assert served_model(_serve_args("--model", str(tmp_path / "m"))) == (str(tmp_path / "m"), [])
+    with pytest.raises(SystemExit, match="only without --model"):
+        served_model(_serve_args("--model", str(tmp_path / "m"), "--default-model-form", "gguf"))
+    with pytest.raises(SystemExit):
+        _serve_args("--default-model-form", "safetensors")
 
 
 def test_backend_layout_uses_the_stub_built_for_this_python(tmp_path):
@@ -125,7 +150,9 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
     from transformers import AutoTokenizer
 
     http_port, grpc_port, metrics_port, openai_port = free_loopback_ports
-    model_path = Path(ensure_default_model())  # the folder the launcher serves when given no --model
+    # The launcher serves the default model's GGUF file as stored when given no --model; its float32 folder is
+    # the reference's.
+    model_path = Path(ensure_default_model())
     running = RunningTriton(http_url=f"127.0.0.1:{http_port}", grpc_url=f"127.0.0.1:{grpc_port}",
                             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", model_path=model_path)
     work_dir = tmp_path / "tmp"
@@ -161,6 +188,8 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
             while _get(f"http://127.0.0.1:{openai_port}/v1/models") != 200:
                 assert time.monotonic() < deadline, "the OpenAI shim did not come up:\n" + "".join(lines)
                 time.sleep(1)
+            models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{openai_port}/v1/models").read())
+            assert [card["id"] for card in models["data"]] == [MODEL_NAME]  # the model's name, not the file's
         while not any("Ctrl-C stops it." in line for line in lines):
             assert time.monotonic() < deadline, "the launcher did not print its URLs:\n" + "".join(lines)
             time.sleep(0.2)
@@ -182,6 +211,7 @@ def test_serve_answers_with_the_default_model_and_sigterm_leaves_no_process(tmp_
     assert errors and errors[-1] is not None
     assert launcher.returncode == 0, output
     assert f"http://127.0.0.1:{http_port}" in output
+    assert f"pagedserve is serving {find_gguf().resolve()}\n" in output
     assert _get(f"http://127.0.0.1:{http_port}/v2/health/live") == 0
     assert _get(f"http://127.0.0.1:{openai_port}/v1/models") == 0
     assert _processes_mentioning(str(work_dir)) == []

