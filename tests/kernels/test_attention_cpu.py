@@ -38,6 +38,20 @@ def test_cpu_attention_in_bf16_stays_within_bf16_rounding_of_fp32(lens):
 
 
 @needs_native
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)], ids=["fp32", "bf16"])
+def test_chunks_after_a_long_cached_prefix_merge_two_flash_passes_exactly(dtype, tol, monkeypatch):
+    # Chunks of several lengths after prefixes that end mid-block, beside a fresh prompt and a decode.
+    lens = [(37, 337), (64, 1000), (1, 90), (23, 23), (2, 515)]
+    batch = make_batch(lens, 3, 3, 64, 16, dtype=dtype)
+    calls = []
+    merge = attention_cpu._chunk_after_prefix
+    monkeypatch.setattr(attention_cpu, "_chunk_after_prefix", lambda *a: calls.append(a[0].shape[0]) or merge(*a))
+    out = attention_cpu.paged_attention(*batch.args())
+    assert calls == [37, 64, 2]
+    torch.testing.assert_close(out.float(), per_sequence_attention(batch), **tol)
+
+
+@needs_native
 def test_native_decode_splits_sequences_across_threads_with_the_same_result():
     lens = [(1, n) for n in range(1, 97)]
     batch = make_batch(lens, 2, 4, 64, 16)

@@ -103,6 +103,8 @@ def _prefill_chunk(
     k = _context(key_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
     v = _context(value_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
     q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
+    if q_len < seq_len and mods == NO_MODS and _flash_with_lse is not None:
+        return _chunk_after_prefix(query, key_cache, value_cache, table, seq_len, scale)
     if q_len == seq_len and mods == NO_MODS:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
@@ -111,6 +113,43 @@ def _prefill_chunk(
         mask = mods.visible(key_pos[None, :], (seq_len - q_len + torch.arange(q_len))[:, None])
         o = mods.attend(q, k, v, mask, scale)
     return o[0].transpose(0, 1)
+
+
+# SDPA's CPU flash kernel, returning the log-sum-exp of each query's scores beside its output (private op).
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _chunk_after_prefix(
+    query: torch.Tensor,  # [q_len, Hq, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # -> [q_len, Hq, D]
+    """A chunk after a cached prefix as two flash passes merged by their log-sum-exps.
+
+    Against the prefix every query sees every key, so the queries of each KV head's group are stacked into one
+    unmasked pass (no repeated K/V, no mask); the chunk against itself is causal with equal lengths. A mask
+    over the whole context would send SDPA down a slower masked path over K/V repeated per query head.
+    """
+    q_len, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group, prefix = num_q_heads // num_kv_heads, seq_len - q_len
+    q = query.transpose(0, 1)  # [Hq, q_len, D]; heads h*group..h*group+group-1 read KV head h
+    k_old = _context(key_cache, table, 0, prefix).to(query.dtype)[None]
+    v_old = _context(value_cache, table, 0, prefix).to(query.dtype)[None]
+    out_old, lse_old = _flash_with_lse(q.reshape(1, num_kv_heads, group * q_len, head_dim), k_old, v_old,
+                                       scale=scale)[:2]
+    k_new = _context(key_cache, table, prefix, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
+    v_new = _context(value_cache, table, prefix, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
+    out_new, lse_new = _flash_with_lse(q[None], k_new, v_new, is_causal=True, scale=scale)[:2]
+    lse_old = lse_old.reshape(num_q_heads, q_len, 1)
+    lse_new = lse_new.reshape(num_q_heads, q_len, 1)
+    total = torch.logaddexp(lse_old, lse_new)
+    merged = (out_old.reshape(num_q_heads, q_len, head_dim).float() * torch.exp(lse_old - total)
+              + out_new.reshape(num_q_heads, q_len, head_dim).float() * torch.exp(lse_new - total))
+    return merged.to(query.dtype).transpose(0, 1)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
