@@ -27,11 +27,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pagedserve serve $(SERVE_ARGS)
 
+# Two workers, a test file each at a time (its module and session servers stay on one worker): the suite is
+# about one core busy on average, so two halve its wall time on CI's two cores (figures in docs/benchmarks.md).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedserve tests bench

@@ -6,15 +6,11 @@ A test module that needs other settings names them LLM_PARAMS and asks for `llm_
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
-from pagedserve.client.model_repository import prepare_model_repository
-from tests.support import servers
 from tests.support.faults import FAULT_MARKER, install_fault_model
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 
@@ -33,19 +29,9 @@ SMALL_POOL_PARAMS = {
 def small_pool_server(tiny_llama_path: Path,
                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningTriton]:
     """tritonserver with a 48-block KV pool, its llm model the fault model (faults on FAULT_MARKER)."""
-    with contextlib.ExitStack() as stack:
-        # The repository triton_running prepares gets the fault model before the server starts; the patch
-        # ends once it has, so that servers started later serve pagedserve's own llm model.
-        with mock.patch.object(servers, "prepare_model_repository", _with_fault_model):
-            running = stack.enter_context(triton_running(
-                tiny_llama_path, tmp_path_factory.mktemp("reliability-triton"), SMALL_POOL_PARAMS))
+    with triton_running(tiny_llama_path, tmp_path_factory.mktemp("reliability-triton"), SMALL_POOL_PARAMS,
+                        adapt_repository=install_fault_model) as running:
         yield running
-
-
-def _with_fault_model(*args, **kwargs) -> Path:
-    repository = prepare_model_repository(*args, **kwargs)
-    install_fault_model(repository)
-    return repository
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -115,18 +115,22 @@ class RunningTriton:
 @contextlib.contextmanager
 def triton_running(model_path: Path, work_dir: Path, params: dict[str, str], *,
                    env: dict[str, str] | None = None, llm_only: bool = False,
-                   instances: int | None = None) -> Iterator[RunningTriton]:
+                   instances: int | None = None,
+                   adapt_repository: Callable[[Path], None] | None = None) -> Iterator[RunningTriton]:
     """Start tritonserver with the pagedserve repository and `params` for the llm model on free loopback
     ports, wait until it is ready, and stop it on leaving the block. `env` is set for the server only.
 
     `llm_only` leaves the ensemble and its tokenizer models out (two Python stubs fewer to start);
-    `instances` sets the llm model's instance_group count (its kind kept, KIND_CPU).
+    `instances` sets the llm model's instance_group count (its kind kept, KIND_CPU); `adapt_repository` may
+    change the prepared repository before the server starts (a test's own llm model).
     """
     repository = prepare_model_repository(DEFAULT_MODEL_REPOSITORY, work_dir / "models", str(model_path),
                                           params, None if instances is None else (instances, None))
     if llm_only:
         for name in ("ensemble", "preprocessing", "postprocessing"):
             shutil.rmtree(repository / name)
+    if adapt_repository is not None:
+        adapt_repository(repository)
     http_port, grpc_port, metrics_port = free_loopback_ports(3)
     log_path = work_dir / "tritonserver.log"
     server = TritonServer(repository, work_dir=work_dir, http_port=http_port, grpc_port=grpc_port,

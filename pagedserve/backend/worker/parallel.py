@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pagedserve.backend.core.config import ModelConfig
-from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.errors import ConfigError
 from pagedserve.backend.model import ModelArchConfig
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.parallel_layers import load_parallel_model
@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # PAGEDSERVE_TP_TIMEOUT_SECONDS overrides it (spawned ranks inherit it).
 COLLECTIVE_TIMEOUT_SECONDS = 120.0
 TIMEOUT_ENV = "PAGEDSERVE_TP_TIMEOUT_SECONDS"
+# Joining waits on a worker's start (spawn, imports), not on a collective, so a short collective timeout must
+# not fail a slow but live start; a worker that exits first is noticed at once either way.
+STARTUP_TIMEOUT_SECONDS = 300.0
 # A worker waits for rank 0's next plan as long as the engine idles: no timeout (a dead rank 0 still ends it).
 _PLAN_WAIT = timedelta(days=3650)
 
@@ -49,21 +52,21 @@ def check_tensor_parallel(model_config: ModelConfig) -> None:
     family not in TP_ARCHITECTURES, a size the ranks cannot split, quantization at load."""
     world = model_config.tensor_parallel_size
     if str(model_config.model).endswith(".gguf"):
-        raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for GGUF files",
+        raise ConfigError(f"tensor_parallel_size {world} is not supported for GGUF files",
                                   "tensor_parallel_size")
     if scheme_from_config(json.loads((Path(model_config.model) / "config.json").read_text())) is not None:
-        raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for quantized checkpoints",
+        raise ConfigError(f"tensor_parallel_size {world} is not supported for quantized checkpoints",
                                   "tensor_parallel_size")
     arch = ModelArchConfig.from_pretrained(model_config.model)
     if arch.architecture not in TP_ARCHITECTURES:
-        raise InvalidRequestError(f"tensor_parallel_size {world} is not supported for {arch.architecture}; "
+        raise ConfigError(f"tensor_parallel_size {world} is not supported for {arch.architecture}; "
                                   f"supported: {', '.join(TP_ARCHITECTURES)}", "tensor_parallel_size")
     bad = indivisible_field(arch, world)
     if bad is not None:
-        raise InvalidRequestError(f"tensor_parallel_size {world} does not divide the model's {bad[0]} ({bad[1]})",
+        raise ConfigError(f"tensor_parallel_size {world} does not divide the model's {bad[0]} ({bad[1]})",
                                   "tensor_parallel_size")
     if model_config.quantization != "none":
-        raise InvalidRequestError(f"quantization {model_config.quantization!r} is not supported with "
+        raise ConfigError(f"quantization {model_config.quantization!r} is not supported with "
                                   f"tensor_parallel_size {world}", "quantization")
 
 
@@ -128,7 +131,7 @@ class TensorParallel:
         if rank:
             store.add(_JOINED, 1)
         else:
-            _wait_for_ranks(store, world_size, timeout, self.liveness)
+            _wait_for_ranks(store, world_size, max(timeout, STARTUP_TIMEOUT_SECONDS), self.liveness)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.errors import ConfigError
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -47,7 +47,7 @@ class DraftModelSpeculator(NgramSpeculator):
         model = dataclasses.replace(engine.model_config, model=config.model, quantization="none")
         self.runner = ModelRunner(model, cache, engine.scheduler_config)
         if self.runner.arch.vocab_size != engine.vocab_size:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"speculative_config.model has a vocabulary of {self.runner.arch.vocab_size} tokens, the target "
                 f"{engine.vocab_size}: a draft model must share the target's tokenizer", "speculative_config.model")
 
