@@ -10,31 +10,18 @@ from pagedserve.kernels.attention import cpu as attention_cpu
 from pagedserve.kernels.attention import reference
 from pagedserve.kernels.attention import triton as attention_triton
 from tests.support.kernel_checks import compile_for_sm90, needs_native
-from tests.support.paged_attention import BF16_TOL, DECODES, FP32_TOL, MIXED, PagedBatch, make_batch
+from tests.support.paged_attention import (
+    BF16_TOL,
+    DECODES,
+    FP32_TOL,
+    MIXED,
+    PagedBatch,
+    make_batch,
+    per_sequence_attention,
+)
 
 # Windows below, at and across block and tile edges, one of a single key, one wider than every context.
 WINDOWS = [1, 5, 16, 33, 1000]
-
-
-def windowed_attention(batch: PagedBatch, window: int | None, soft_cap: float | None) -> torch.Tensor:
-    """Slow oracle: per query, the keys of its window gathered token by token, scores capped, fp32 softmax."""
-    block_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
-    group = batch.query.shape[1] // num_kv_heads
-    out = torch.empty(batch.query.shape, dtype=torch.float32)
-    for s in range(batch.seq_lens.numel()):
-        start, end = int(batch.cu_seqlens_q[s]), int(batch.cu_seqlens_q[s + 1])
-        seq_len = int(batch.seq_lens[s])
-        slots = [(int(batch.block_tables[s, p // block_size]), p % block_size) for p in range(seq_len)]
-        k = torch.stack([batch.key_cache[b, o] for b, o in slots]).float().repeat_interleave(group, dim=1)
-        v = torch.stack([batch.value_cache[b, o] for b, o in slots]).float().repeat_interleave(group, dim=1)
-        for i in range(end - start):
-            pos = seq_len - (end - start) + i
-            first = 0 if window is None else max(0, pos - window + 1)
-            scores = torch.einsum("hd,khd->hk", batch.query[start + i].float(), k[first : pos + 1]) * batch.scale
-            if soft_cap is not None:
-                scores = soft_cap * torch.tanh(scores / soft_cap)
-            out[start + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[first : pos + 1])
-    return out
 
 
 def _call(module, batch: PagedBatch, window: int | None, soft_cap: float | None, **extra) -> torch.Tensor:
@@ -51,7 +38,7 @@ def test_oracle_window_is_transformers_sliding_window_mask():
     batch.value_cache.zero_()
     for pos in range(6):  # value = one-hot of the key's position: the output row is the attention pattern
         batch.value_cache[batch.block_tables[0, 0], pos, 0, pos] = 1.0
-    pattern = windowed_attention(batch, 3, None)[:, 0, :6] > 0
+    pattern = per_sequence_attention(batch, 3, None)[:, 0, :6] > 0
     assert pattern.tolist() == expected
 
 
@@ -59,7 +46,7 @@ def test_oracle_window_is_transformers_sliding_window_mask():
 @pytest.mark.parametrize("lens", [MIXED, DECODES, [(37, 37)]], ids=["mixed", "decodes", "fresh-prompt"])
 def test_torch_reference_windowed_equals_oracle(lens, window):
     batch = make_batch(lens, 2, 4, 64, 16)
-    torch.testing.assert_close(_call(reference, batch, window, None), windowed_attention(batch, window, None),
+    torch.testing.assert_close(_call(reference, batch, window, None), per_sequence_attention(batch, window, None),
                                **FP32_TOL)
 
 
@@ -69,7 +56,7 @@ def test_torch_reference_soft_capped_equals_oracle(lens, window, soft_cap):
     batch = make_batch(lens, 2, 2, 32, 16, seed=1)
     batch.query.mul_(3.0)  # scores of several units, where the cap bends them
     torch.testing.assert_close(_call(reference, batch, window, soft_cap),
-                               windowed_attention(batch, window, soft_cap), **FP32_TOL)
+                               per_sequence_attention(batch, window, soft_cap), **FP32_TOL)
 
 
 def test_window_wider_than_every_context_changes_nothing():
@@ -88,7 +75,7 @@ def test_window_changes_the_result_of_long_contexts():
 @pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
 def test_cpu_windowed_equals_oracle(lens, window):
     batch = make_batch(lens, 2, 4, 64, 16, seed=4)
-    torch.testing.assert_close(_call(attention_cpu, batch, window, None), windowed_attention(batch, window, None),
+    torch.testing.assert_close(_call(attention_cpu, batch, window, None), per_sequence_attention(batch, window, None),
                                **FP32_TOL)
 
 
@@ -99,7 +86,7 @@ def test_cpu_soft_capped_equals_oracle(lens, window, soft_cap):
     batch = make_batch(lens, 1, 8, 64, 16, seed=5)
     batch.query.mul_(3.0)
     torch.testing.assert_close(_call(attention_cpu, batch, window, soft_cap),
-                               windowed_attention(batch, window, soft_cap), **FP32_TOL)
+                               per_sequence_attention(batch, window, soft_cap), **FP32_TOL)
 
 
 @needs_native
@@ -107,7 +94,7 @@ def test_cpu_windowed_bf16_stays_within_bf16_rounding():
     batch = make_batch(MIXED, 2, 4, 64, 16, dtype=torch.bfloat16, seed=6)
     out = _call(attention_cpu, batch, 20, 30.0)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), windowed_attention(batch, 20, 30.0), **BF16_TOL)
+    torch.testing.assert_close(out.float(), per_sequence_attention(batch, 20, 30.0), **BF16_TOL)
 
 
 # Each (window, soft cap) pairs with one shape: the interpreter is slow.
@@ -125,13 +112,13 @@ def test_triton_mixed_batch_windowed_and_capped_equals_oracle(window, soft_cap, 
     batch = make_batch(MIXED, num_kv_heads, group, 64, block_size, seed=7)
     batch.query.mul_(3.0)
     torch.testing.assert_close(_call(attention_triton, batch, window, soft_cap),
-                               windowed_attention(batch, window, soft_cap), **FP32_TOL)
+                               per_sequence_attention(batch, window, soft_cap), **FP32_TOL)
 
 
 def test_triton_long_chunk_with_window_spans_unmasked_tiles():
     # 128-row tiles whose window leaves a band of keys every row sees, between two masked edges.
     batch = make_batch([(260, 400), (1, 300)], 1, 2, 64, 16, seed=8)
-    torch.testing.assert_close(_call(attention_triton, batch, 150, None), windowed_attention(batch, 150, None),
+    torch.testing.assert_close(_call(attention_triton, batch, 150, None), per_sequence_attention(batch, 150, None),
                                **FP32_TOL)
 
 
@@ -141,7 +128,7 @@ def test_triton_split_k_decode_windowed_equals_oracle(num_splits, window, soft_c
     batch = make_batch(DECODES, 2, 4, 64, 16, seed=9)
     batch.query.mul_(3.0)
     out = _call(attention_triton, batch, window, soft_cap, num_splits=num_splits)
-    torch.testing.assert_close(out, windowed_attention(batch, window, soft_cap), **FP32_TOL)
+    torch.testing.assert_close(out, per_sequence_attention(batch, window, soft_cap), **FP32_TOL)
 
 
 def test_dispatch_passes_window_and_cap_to_the_backend():
@@ -149,7 +136,7 @@ def test_dispatch_passes_window_and_cap_to_the_backend():
 
     batch = make_batch(MIXED, 2, 2, 32, 16, seed=10)
     torch.testing.assert_close(kernels.paged_attention(*batch.args(), sliding_window=9, logits_soft_cap=3.0),
-                               windowed_attention(batch, 9, 3.0), **FP32_TOL)
+                               per_sequence_attention(batch, 9, 3.0), **FP32_TOL)
 
 
 @pytest.mark.parametrize(("field", "value"), [("sliding_window", 0), ("logits_soft_cap", 0.0)])

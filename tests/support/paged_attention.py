@@ -67,8 +67,10 @@ def make_batch(
     )
 
 
-def per_sequence_attention(batch: PagedBatch) -> torch.Tensor:  # -> [T, Hq, D] fp32
-    """Slow reference: per sequence, gather K/V token by token through the block table, fp32 softmax."""
+def per_sequence_attention(batch: PagedBatch, window: int | None = None,
+                           soft_cap: float | None = None) -> torch.Tensor:  # -> [T, Hq, D] fp32
+    """Slow reference: per sequence, gather K/V token by token through the block table, fp32 softmax; with
+    `window`, a query sees only its last `window` keys; with `soft_cap`, scores are capped by tanh first."""
     block_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
     group = batch.query.shape[1] // num_kv_heads
     out = torch.empty(batch.query.shape, dtype=torch.float32)
@@ -80,6 +82,9 @@ def per_sequence_attention(batch: PagedBatch) -> torch.Tensor:  # -> [T, Hq, D] 
         v = torch.stack([batch.value_cache[b, o] for b, o in slots]).float().repeat_interleave(group, dim=1)
         for i in range(end - start):
             pos = seq_len - (end - start) + i
-            scores = torch.einsum("hd,khd->hk", batch.query[start + i].float(), k[: pos + 1]) * batch.scale
-            out[start + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[: pos + 1])
+            first = 0 if window is None else max(0, pos - window + 1)
+            scores = torch.einsum("hd,khd->hk", batch.query[start + i].float(), k[first : pos + 1]) * batch.scale
+            if soft_cap is not None:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
+            out[start + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[first : pos + 1])
     return out
