@@ -112,7 +112,7 @@ def test_every_field_of_the_engine_configs_is_a_parameter_with_its_type_default_
                 continue
             parameter = listed[item.name]
             assert (parameter.config, parameter.default, parameter.is_field) == (config, item.default, True)
-            assert parameter.help and parameter.type in (int, float, bool, str)
+            assert parameter.help and parameter.type in (int, float, bool, str, dict)
     assert listed["cpu_threads"].type is int and listed["gpu_memory_utilization"].type is float
     assert listed["enable_prefix_caching"].type is bool and listed["quantization"].choices == ("none", "int8", "int4")
     assert listed["scheduling_policy"].choices == ("fcfs", "priority") and listed["device"].choices is None
@@ -207,7 +207,7 @@ def test_from_pretrained_takes_every_parameter_into_its_config():
                "gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "max_num_seqs": 4,
                "max_num_batched_tokens": 64, "max_model_len": 128, "max_num_waiting": 5,
                "scheduling_policy": "priority", "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
-               "max_cpu_loras": 3}
+               "max_cpu_loras": 3, "kv_events_config": {"enable_kv_cache_events": True}}
     assert set(options) == set(CONFIG_FIELDS[ModelConfig] + CONFIG_FIELDS[CacheConfig]
                                + CONFIG_FIELDS[SchedulerConfig] + CONFIG_FIELDS[LoRAConfig])
     args = engine_args("/m", {**options, "speculative_config": '{"num_speculative_tokens": 2}',

@@ -6,6 +6,13 @@ import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 
+from pagedserve.backend.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    external_hash,
+)
 from pagedserve.backend.core.request import Request
 
 
@@ -110,6 +117,20 @@ class BlockManager:
         # Per request: how many leading full blocks have been offered to the prefix cache.
         self._num_registered: dict[str, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # KV cache events since the last take_events(); None: not recorded (no publisher).
+        self.events: list[KVEvent] | None = None
+
+    def record_events(self) -> None:
+        """Start recording what the prefix cache gains and loses (core/kv_events.py) for take_events()."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -199,6 +220,7 @@ class BlockManager:
             return
         self._update_block_hashes(request, num_full)
         table = self.block_tables[rid]
+        stored: list[int] = []
         for i in range(done, num_full):
             block = self.blocks[table[i]]
             block_hash = request.block_hashes[i]
@@ -206,7 +228,10 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block
+                stored.append(i)
         self._num_registered[rid] = num_full
+        if self.events is not None and stored:
+            self._record_stored(request, stored)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Make the child share every block of the parent (ref counts +1), partial last block included."""
@@ -257,6 +282,26 @@ class BlockManager:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks of the request."""
+        hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
+        params = request.sampling_params
+        lora_id = params.lora_int_id or None
+        lora_name = params.lora_name if lora_id else None
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k < len(indices) and indices[k] == indices[k - 1] + 1:
+                continue
+            first, last = indices[start], indices[k - 1]
+            self.events.append(BlockStored(
+                [external_hash(hashes[i]) for i in range(first, last + 1)],
+                external_hash(hashes[first - 1]) if first else None,
+                list(tokens[first * bs : (last + 1) * bs]), bs, lora_id, lora_name,
+            ))
+            start = k
 
     def _touch(self, block: KVCacheBlock) -> None:
         if block.ref_cnt == 0:
@@ -267,9 +312,18 @@ class BlockManager:
         block = self.free_queue.popleft()
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self._record_removed(block.block_hash)
             block.block_hash = None
         block.ref_cnt = 1
         return block
+
+    def _record_removed(self, block_hash: bytes) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):  # evictions of one allocation share an event
+            last.block_hashes.append(external_hash(block_hash))
+        else:
+            self.events.append(BlockRemoved([external_hash(block_hash)]))
 
     def _copy_on_write(self, table: list[int], index: int) -> int:
         src = self.blocks[table[index]]

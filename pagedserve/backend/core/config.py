@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.backend.core.errors import ConfigError, json_object
+from pagedserve.backend.core.kv_events import KVEventsConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -40,6 +41,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = param(None, "KV-cache budget in bytes (default: 1 GiB on the CPU)")
     gpu_memory_utilization: float = param(0.9, "fraction of free GPU memory for the KV cache when no budget is given")
     enable_prefix_caching: bool = param(True, "share the KV of identical full prompt blocks")
+    kv_events_config: dict | None = param(
+        None, 'publish KV cache events to routers, vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"} (core/kv_events.py)')
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
@@ -62,6 +66,12 @@ class CacheConfig:
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}",
                 "enable_prefix_caching",
             )
+        KVEventsConfig.from_dict(self.kv_events_config)
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        """kv_events_config, checked and with vLLM's defaults filled in."""
+        return KVEventsConfig.from_dict(self.kv_events_config)
 
 
 @dataclass(slots=True)

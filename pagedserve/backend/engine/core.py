@@ -20,6 +20,7 @@ from pagedserve.backend.core.config import (
 )
 from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
+from pagedserve.backend.engine.kv_events import make_publisher
 from pagedserve.backend.engine.lora import scheduler_lora_args
 from pagedserve.backend.engine.request_group import StepBatch
 from pagedserve.backend.engine.spec_decode import StepSample, make_speculator, sample_step
@@ -65,6 +66,9 @@ class EngineCore:
         self.sampler = Sampler(eos_token_ids)
         self.structured = structured
         self.speculator = make_speculator(speculative_config, self)
+        self.kv_events = make_publisher(cache_config.kv_events)
+        if self.kv_events is not None:
+            self.scheduler.block_manager.record_events()
 
     def add_request(self, request: Request) -> None:
         """Queue a checked request for scheduling."""
@@ -105,11 +109,23 @@ class EngineCore:
         for _, parent, child in batch.forks:
             self.scheduler.fork_request(parent.request_id, child)
             child.append_output_token_id(tokens[child.request_id])
+        self.publish_kv_events()
         return CoreStep(sched, batch, sample, tokens)
 
     def record_no_output(self, sched: SchedulerOutput) -> None:
         """Close a step that sampled nothing: none was scheduled, or it failed (its requests ended first)."""
         self.scheduler.update_from_output(sched, {})
+        self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        """Hand what the prefix cache gained and lost since the last call to the KV events publisher."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.block_manager.take_events())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents); routers hear AllBlocksCleared."""
+        self.scheduler.reset_prefix_cache()
+        self.publish_kv_events()
 
     def sample_every_row(self, runner_out: ModelRunnerOutput) -> StepBatch:
         """The plain claim: each row sampled for its own request, without a grammar."""
@@ -123,9 +139,11 @@ class EngineCore:
         self.sampler.free(request_id)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        """Stop the tensor-parallel workers and the KV events publisher."""
         if self.workers is not None:
             self.workers.stop()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def failure(self) -> str | None:
         """Why no further step can run (a tensor-parallel rank is gone); None while one can."""

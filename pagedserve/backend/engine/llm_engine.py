@@ -181,6 +181,10 @@ class LLMEngine:
         """Abort a user request (all its sequences); its final output comes from the next step()."""
         self.output.abort(request_id)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); KV events announce it."""
+        self.core.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one device); the engine runs no step after this."""
         self.core.shutdown()

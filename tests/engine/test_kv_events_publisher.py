@@ -1,0 +1,146 @@
+"""The KV events publisher on real ZMQ sockets (loopback): vLLM's wire format, sequence numbers, replay for a
+late subscriber, and the engine publishing what its prefix cache does."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from pagedserve.backend.core.errors import ConfigError
+from pagedserve.backend.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventsConfig,
+    external_hash,
+)
+from pagedserve.backend.engine.kv_events import (
+    ZmqEventPublisher,
+    encode_batch,
+    offset_endpoint,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(**extra) -> KVEventsConfig:
+    return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{_free_port()}", **extra)
+
+
+def _subscribe(endpoint: str, topic: bytes = b"") -> zmq.Socket:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(endpoint)
+    return sub
+
+
+def test_a_batch_is_vllms_array_like_tagged_msgpack():
+    events = [BlockStored([11, 12], None, [1, 2, 3, 4], 2, None, None), BlockRemoved([11]), AllBlocksCleared()]
+    assert msgpack.unpackb(encode_batch(events, 1.5, 3)) == [
+        1.5,
+        [["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", None], ["BlockRemoved", [11], "GPU"],
+         ["AllBlocksCleared"]],
+        3,
+    ]
+    # Hashes are unsigned 64-bit: the largest still packs as a msgpack uint64.
+    big = external_hash(b"\xff" * 16)
+    assert msgpack.unpackb(encode_batch([BlockRemoved([big])], 0.0, 0))[1][0][1] == [2**64 - 1]
+
+
+def test_data_parallel_ranks_offset_the_port_as_vllm_does():
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("inproc://cache", 1) == "inproc://cache_dp1"
+    assert offset_endpoint(None, 1) is None
+
+
+def test_subscribers_get_numbered_batches_and_a_late_one_catches_up_by_replay():
+    port = _free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                            replay_endpoint=f"tcp://*:{_free_port()}", topic="kv")
+    publisher = ZmqEventPublisher(config)
+    try:
+        sub = _subscribe(f"tcp://127.0.0.1:{port}", b"kv")
+        # PUB/SUB drops messages until the subscription has reached the publisher (ZMQ's slow joiner).
+        probe = [BlockRemoved([0])]
+        deadline = time.monotonic() + 5
+        while True:
+            publisher.publish(probe)
+            if sub.poll(100):
+                break
+            assert time.monotonic() < deadline, "subscriber never joined"
+        topic, seq, payload = sub.recv_multipart()
+        first = int.from_bytes(seq, "big")
+        assert topic == b"kv" and msgpack.unpackb(payload)[1] == [["BlockRemoved", [0], "GPU"]]
+        for i in range(3):
+            publisher.publish([BlockStored([100 + i], None, [i, i], 2, None, None)])
+        got = [sub.recv_multipart() for _ in range(3)]
+        assert [int.from_bytes(s, "big") for _, s, _ in got] == [first + 1, first + 2, first + 3]
+        assert [msgpack.unpackb(p)[1][0][1] for _, _, p in got] == [[100], [101], [102]]
+        # A subscriber that joins now asks the replay socket for everything from first + 1 on.
+        replay = zmq.Context.instance().socket(zmq.DEALER)
+        replay.setsockopt(zmq.RCVTIMEO, 5000)
+        replay.connect(config.replay_endpoint.replace("*", "127.0.0.1"))
+        replay.send_multipart((b"", (first + 1).to_bytes(8, "big")))
+        answers = []
+        while True:
+            _, seq, payload = replay.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert payload == b""
+                break
+            answers.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1][0][1]))
+        assert answers == [(first + 1, [100]), (first + 2, [101]), (first + 3, [102])]
+        replay.close(0)
+        sub.close(0)
+    finally:
+        publisher.shutdown()
+
+
+def test_an_endpoint_that_cannot_bind_is_refused_naming_the_field():
+    holder = zmq.Context.instance().socket(zmq.PUB)
+    port = holder.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(ConfigError) as info:
+            ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"))
+        assert info.value.field == "kv_events_config.endpoint"
+    finally:
+        holder.close(0)
+
+
+@pytest.mark.slow
+def test_the_engine_publishes_its_prefix_cache_and_reset(tiny_llama_path):
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+
+    config = _config()
+    engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", block_size=4,
+                                       num_blocks=64, kv_events_config={**_asdict(config)})
+    sub = _subscribe(config.endpoint)
+    time.sleep(0.3)  # let the subscription reach the publisher before the first batch
+    try:
+        prompt = list(range(5, 22))  # 17 tokens: 4 full blocks once prefilled
+        engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+        engine.reset_prefix_cache()
+        batches = []
+        while sub.poll(1000):
+            batches.append(msgpack.unpackb(sub.recv_multipart()[2]))
+        events = [event for batch in batches for event in batch[1]]
+        stored = [e for e in events if e[0] == "BlockStored"]
+        assert stored and stored[0][3][:16] == prompt[:16] and stored[0][4] == 4
+        assert events[-1] == ["AllBlocksCleared"]
+    finally:
+        sub.close(0)
+        engine.shutdown()
+
+
+def _asdict(config: KVEventsConfig) -> dict:
+    return {"enable_kv_cache_events": True, "endpoint": config.endpoint.replace("127.0.0.1", "*")}
