@@ -307,3 +307,63 @@ def make_lora_adapter(
                 param.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+IMAGE_TOKEN = "<image>"
+
+# The vision towers of the tiny LLaVA: 28-pixel images in 7-pixel patches (16 patches), three layers; CLIP's has a
+# class token that the "default" strategy drops, SigLIP's has none ("full").
+_VISION_TOWERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "clip": ("CLIPVisionConfig", "CLIPImageProcessor", "default",
+             {"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}}),
+    "siglip": ("SiglipVisionConfig", "SiglipImageProcessor", "full", {"size": {"height": 28, "width": 28}}),
+}
+
+
+def make_tiny_llava(path: str | Path, vision: str = "clip", *, text_arch: str = "llama",
+                    vision_feature_layer: int | list[int] = -2, seed: int = 0) -> Path:
+    """Save a tiny random-weight LlavaForConditionalGeneration (a `vision` tower: clip or siglip, and a
+    `text_arch` language model) with its processor: LlavaProcessor over transformers' image processor of that
+    tower and the tiny tokenizer with IMAGE_TOKEN added, which the processor expands to 16 tokens an image."""
+    import torch
+    import transformers
+
+    config_name, processor_name, strategy, processor_args = _VISION_TOWERS[vision]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    image_processor = getattr(transformers, processor_name)(**processor_args)
+    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=7,
+                                            vision_feature_select_strategy=strategy,
+                                            num_additional_image_tokens=int(vision == "clip"),
+                                            chat_template=CHATML_TEMPLATE)
+    processor.save_pretrained(path)
+    _ensure_chat_template_in_config(path)
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+           (("bos_token_id", BOS_TOKEN), ("eos_token_id", EOS_TOKEN), ("pad_token_id", END_OF_TEXT))}
+    text_config_name = _ARCHITECTURES[text_arch][0]
+    text_config = getattr(transformers, text_config_name)(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        **ids, **_ARCH_EXTRAS.get(text_arch, {}))
+    vision_config = getattr(transformers, config_name)(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                                       num_attention_heads=2, image_size=28, patch_size=7)
+    config = transformers.LlavaConfig(vision_config=vision_config, text_config=text_config,
+                                      image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                                      vision_feature_layer=vision_feature_layer,
+                                      vision_feature_select_strategy=strategy, image_seq_length=16, **ids)
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config)
+    _widen_init(model)
+    _save(model, path, None)
+    return path
+
+
+def tiny_image(width: int, height: int, seed: int = 0) -> Any:
+    """A random RGB PIL image of that size."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)

@@ -20,6 +20,15 @@ _FAMILY_MODULES = {
     "Qwen3MoeForCausalLM": "qwen_moe",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
+    "XLMRobertaModel": "xlm_roberta",
+    "XLMRobertaForSequenceClassification": "xlm_roberta",
+    "LlamaForSequenceClassification": "seq_classifier",
+    "MistralForSequenceClassification": "seq_classifier",
+    "Qwen2ForSequenceClassification": "seq_classifier",
+    "Qwen3ForSequenceClassification": "seq_classifier",
+    "LlavaForConditionalGeneration": "llava",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_FAMILY_MODULES))
 
