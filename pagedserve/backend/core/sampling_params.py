@@ -80,6 +80,10 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: all that fit
     lora_name: str | None = None  # the LoRA adapter to generate with (the Triton vLLM backend's key); None: base
+    # The reasoning's end marker as token ids (the OpenAI shim's reasoning parser sends them): the structured
+    # output starts matching after it; thinking_token_budget (vLLM's name) forces it after that many tokens.
+    reasoning_end_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None
     # bad_words as token-id sequences, filled in by the engine from its tokenizer.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # The engine's id of lora_name's adapter as loaded now (0: none), filled in by the engine.
@@ -102,6 +106,18 @@ class SamplingParams:
         _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise _fail("lora_name", f"must be a non-empty string, got {self.lora_name!r}")
+        self._check_reasoning()
+
+    def _check_reasoning(self) -> None:
+        ids = self.reasoning_end_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise _fail("reasoning_end_token_ids", f"must be a non-empty list of token ids, got {ids!r}")
+        self.reasoning_end_token_ids = None if ids is None else list(ids)
+        _int("thinking_token_budget", self.thinking_token_budget, 0, optional=True)
+        if self.thinking_token_budget is not None and ids is None:
+            raise _fail("thinking_token_budget", "needs reasoning_end_token_ids (the end marker it forces; the "
+                        "OpenAI shim sends it when started with --reasoning-parser)")
 
     def _check_counts(self) -> None:
         _int("n", self.n, 1, MAX_N)

@@ -53,7 +53,7 @@ def check_params(params: SamplingParams, max_num_seqs: int) -> None:
         # Its sequences all run at once (they fork at the first token).
         raise InvalidRequestError(f"{field} must be <= max_num_seqs ({max_num_seqs}), got {width}", field)
     if params.beam_width > 1:
-        for name in ("stop", "prompt_logprobs", "structured_outputs"):
+        for name in ("stop", "prompt_logprobs", "structured_outputs", "reasoning_end_token_ids"):
             if getattr(params, name):
                 raise InvalidRequestError(f"{name} is not supported with beam search (beam_width > 1)", name)
 
@@ -63,6 +63,7 @@ def resolve_logits_params(tokenizer: Tokenizer, vocab_size: int, params: Samplin
     bad_words: each word alone and after a space (how it reads mid-text), as vLLM does."""
     check_token_ids_in_vocab("logit_bias", params.logit_bias, vocab_size)
     check_token_ids_in_vocab("allowed_token_ids", params.allowed_token_ids, vocab_size)
+    check_token_ids_in_vocab("reasoning_end_token_ids", params.reasoning_end_token_ids, vocab_size)
     sequences: list[list[int]] = []
     for word in params.bad_words:
         for text in (word.lstrip(), " " + word.lstrip()):

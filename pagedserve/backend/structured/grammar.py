@@ -7,6 +7,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.structured.mask import mask_logits
+from pagedserve.backend.structured.reasoning import ReasoningGate
 
 MAX_CACHED_GRAMMARS = 256
 _JSON_KINDS = ("json", "json_object")
@@ -128,7 +130,15 @@ class StructuredOutputs:
         compiled, is_json = grammar
         return GrammarState(self._xgr().GrammarMatcher(compiled), ban_control_bytes=is_json)
 
-    def apply(self, logits: torch.Tensor, matchers: list[GrammarState | None]) -> torch.Tensor:
+    def sequence_matchers(self, grammar: tuple[Any, bool] | None, end_token_ids: list[int] | None,
+                          budget: int | None) -> Callable[[], Any] | None:
+        """What makes each sequence's matcher: the grammar's, behind a ReasoningGate when the request names
+        its reasoning's end marker; None when neither constrains it."""
+        if end_token_ids:
+            return lambda: ReasoningGate(end_token_ids, budget, None if grammar is None else self.matcher(grammar))
+        return None if grammar is None else (lambda: self.matcher(grammar))
+
+    def apply(self, logits: torch.Tensor, matchers: list[GrammarState | ReasoningGate | None]) -> torch.Tensor:
         """Mask row i of `logits` [R, V] to the tokens matchers[i] allows (rows with None untouched): the
         matchers fill one host bitmask, which goes to the logits' device in one copy."""
         rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
