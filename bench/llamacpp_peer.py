@@ -2,7 +2,8 @@
 into its own cache venv, decoding one stream; and llama.cpp's own `llama-server --parallel N`, built once from
 the binding's vendored source, serving N concurrent streams. Both greedy, `ignore_eos`, one thread each.
 
-Used by bench/quantized.py (`--llama-cpp`); `python bench/llamacpp_peer.py` only builds them.
+Used by bench/quantized.py (`--llama-cpp`); `python bench/llamacpp_peer.py` only builds them (and `llama-quantize`,
+which makes the K-quant files the benchmark compares on: `python bench/llamacpp_peer.py Q4_K_M Q6_K`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,43 @@ def binding_python(venv: Path = VENV) -> tuple[Path | None, str]:
 
 def server_binary(build: Path = SERVER_BUILD) -> tuple[Path | None, str]:
     """llama.cpp's `llama-server`, built on first use from the vendored source of the same sdist."""
-    binary = build / "bin" / "llama-server"
+    return _vendored_tool("llama-server", build)
+
+
+def quantize_binary(build: Path = SERVER_BUILD) -> tuple[Path | None, str]:
+    """llama.cpp's `llama-quantize` (makes K-quant files from a GGUF), built like `llama-server`, sharing its
+    build folder so the ggml and llama libraries are compiled once."""
+    return _vendored_tool("llama-quantize", build)
+
+
+def _vendored_tool(target: str, build: Path) -> tuple[Path | None, str]:
+    """build/bin/<target>, built once (serially) from the sdist's vendored llama.cpp; (None, why) on failure."""
+    binary = build / "bin" / target
     if binary.is_file():
         return binary, ""
-    build.mkdir(parents=True, exist_ok=True)
+    source, why = _vendored_source(build)
+    if source is None:
+        return None, why
+    steps = [["cmake", "--build", str(build), "--target", target, "-j", "1"]]
+    if not (build / "CMakeCache.txt").is_file():
+        steps.insert(0, ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                         "-DLLAMA_BUILD_SERVER=ON"])
+    print(f"building {target} into {build} (once)...", file=sys.stderr, flush=True)
+    for step in steps:
+        proc = subprocess.run(step, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return None, f"`{' '.join(step)}` failed: {proc.stderr.strip()[-500:]}"
+    return (binary, "") if binary.is_file() else (None, f"built, but no {binary}")
+
+
+def _vendored_source(build: Path) -> tuple[Path | None, str]:
+    """The llama.cpp source tree vendored in the sdist, downloaded and unpacked under `build` once."""
     sdist_dir = build / "sdist"
+    found = next(sdist_dir.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+    if found is not None:
+        return found, ""
+    build.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                            "-d", str(sdist_dir), PACKAGE], capture_output=True, text=True)
     archives = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
@@ -53,14 +86,30 @@ def server_binary(build: Path = SERVER_BUILD) -> tuple[Path | None, str]:
         return None, f"cannot download the {PACKAGE} sdist: {proc.stderr.strip()[-300:]}"
     with tarfile.open(archives[0]) as tar:
         tar.extractall(sdist_dir, filter="data")
-    source = next(sdist_dir.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    for step in (["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
-                 ["cmake", "--build", str(build), "--target", "llama-server", "-j", "1"]):
-        proc = subprocess.run(step, capture_output=True, text=True)
-        if proc.returncode != 0:
-            return None, f"`{' '.join(step)}` failed: {proc.stderr.strip()[-500:]}"
-    return (binary, "") if binary.is_file() else (None, f"built, but no {binary}")
+    return next(sdist_dir.glob("llama_cpp_python-*/vendor/llama.cpp")), ""
+
+
+def quantized_gguf(kind: str, source: Path | None = None) -> tuple[Path | None, str]:
+    """The default model's GGUF requantized by llama.cpp's `llama-quantize --allow-requantize` to `kind` (Q4_K_M,
+    Q6_K, ...), made once into <cache>/models/gguf/; (None, why) on failure. Tensors whose rows are not whole
+    256-value super-blocks (SmolLM2's 576 columns) get llama-quantize's own fallback type (Q5_0, Q8_0, ...)."""
+    from pagedserve.backend.model.default_model import GGUF_FILE, cache_root, find_gguf
+
+    source = source or find_gguf()
+    target = cache_root() / "models" / "gguf" / GGUF_FILE.replace(".Q4_1.", f".{kind}.")
+    if target.is_file():
+        return target, ""
+    binary, why = quantize_binary()
+    if binary is None:
+        return None, why
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    proc = subprocess.run([str(binary), "--allow-requantize", str(source), str(partial), kind, "1"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, f"llama-quantize to {kind} failed: {(proc.stderr or proc.stdout).strip()[-500:]}"
+    partial.replace(target)
+    return target, ""
 
 
 _BINDING_SCRIPT = textwrap.dedent(
@@ -148,3 +197,6 @@ def _ready(url: str) -> bool:
 if __name__ == "__main__":
     print(binding_python())
     print(server_binary())
+    print(quantize_binary())
+    for kind in sys.argv[1:]:  # e.g. Q4_K_M Q6_K: make those files too
+        print(quantized_gguf(kind))
