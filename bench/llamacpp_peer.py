@@ -8,6 +8,7 @@ which makes the K-quant files the benchmark compares on: `python bench/llamacpp_
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -56,6 +57,14 @@ def _vendored_tool(target: str, build: Path) -> tuple[Path | None, str]:
     binary = build / "bin" / target
     if binary.is_file():
         return binary, ""
+    build.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per folder: another process asking meanwhile waits for it, then finds the binary.
+    with open(build.parent / f".{build.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return (binary, "") if binary.is_file() else _build_tool(target, build, binary)
+
+
+def _build_tool(target: str, build: Path, binary: Path) -> tuple[Path | None, str]:
     source, why = _vendored_source(build)
     if source is None:
         return None, why
