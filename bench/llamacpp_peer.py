@@ -204,8 +204,7 @@ def _ready(url: str) -> bool:
 
 
 if __name__ == "__main__":
-    print(binding_python())
-    print(server_binary())
-    print(quantize_binary())
-    for kind in sys.argv[1:]:  # e.g. Q4_K_M Q6_K: make those files too
-        print(quantized_gguf(kind))
+    for kind in sys.argv[1:]:  # e.g. Q4_K_M Q6_K: make those files (llama-quantize first: the shortest build)
+        print(quantized_gguf(kind), flush=True)
+    print(server_binary(), flush=True)
+    print(binding_python(), flush=True)
