@@ -1,0 +1,471 @@
+// Prefill attention for the CPU: one chunk of a sequence's queries attends over its K/V read in place from the
+// paged cache (no gather into a contiguous copy, no K/V repeated per query head), flash-style: key tiles of
+// kKeys keys, an online softmax per query row, fp32 accumulation. A work item is one KV head and a block of
+// the chunk's queries with that head's query group stacked as rows (row r = token r / group, head r % group),
+// so each K/V tile is read once for the whole group. Causal within the chunk; window > 0 keeps the last
+// `window` keys of each query; soft_cap > 0 applies cap * tanh(s / cap).
+// Where the compiler targets AMX-BF16 (and the kernel may use it), bf16 caches run Q·K and P·V on AMX tiles;
+// otherwise (fp32, or a CPU without AMX) the same loops run in fp32 vector code.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../native/cpu_common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDSERVE_PREFILL_AMX 1
+#endif
+
+namespace {
+
+using pagedserve::Elem;
+using pagedserve::fast_exp;
+
+constexpr int64_t kKeys = 128;  // keys per tile: 4 AMX K-steps of 32 (fewer rescales of the output rows)
+constexpr int64_t kRows = 16;  // query rows per score block: one AMX tile's rows
+
+struct Problem {
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  void* out;
+  const int32_t* table;
+  int64_t q_len, seq_len, num_q_heads, num_kv_heads, head_dim, block_size, query_stride, out_stride;
+  float scale;
+  int64_t window;
+  float soft_cap;
+  int64_t group, query_block;
+};
+
+// KV head `head`, chunk tokens first..first+count-1 (positions pos0..), keys key_begin..key_end-1.
+struct Item {
+  int64_t head, first, count, rows, padded, pos0, key_begin, key_end;
+};
+
+// Per thread: stacked queries, the packed K/V tile, one block's scores/probabilities, the running state.
+struct Workspace {
+  std::vector<float> qf, kt, vf, scores, probs, o, m, l;
+  std::vector<uint16_t> qb, pb;
+  std::vector<uint32_t> kp, vp;
+};
+
+inline int64_t first_visible(const Problem& pb, int64_t pos) {
+  return pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+}
+
+// Work items in an order where contiguous ranges hold similar causal work: query blocks zig-zag (first, last,
+// second, second last...), KV heads innermost.
+Item make_item(const Problem& pb, int64_t index) {
+  const int64_t blocks = (pb.q_len + pb.query_block - 1) / pb.query_block;
+  const int64_t j = index / pb.num_kv_heads;
+  const int64_t block = j % 2 == 0 ? j / 2 : blocks - 1 - j / 2;
+  Item it;
+  it.head = index % pb.num_kv_heads;
+  it.first = block * pb.query_block;
+  it.count = std::min(pb.query_block, pb.q_len - it.first);
+  it.rows = it.count * pb.group;
+  it.padded = (it.rows + kRows - 1) / kRows * kRows;
+  it.pos0 = pb.seq_len - pb.q_len + it.first;
+  it.key_begin = first_visible(pb, it.pos0);
+  it.key_end = it.pos0 + it.count;
+  return it;
+}
+
+template <typename T>
+inline const T* cache_row(const void* cache, const Problem& pb, int64_t pos, int64_t head) {
+  const int64_t slot = static_cast<int64_t>(pb.table[pos / pb.block_size]) * pb.block_size + pos % pb.block_size;
+  return static_cast<const T*>(cache) + (slot * pb.num_kv_heads + head) * pb.head_dim;
+}
+
+template <typename T>
+inline const T* query_row(const Problem& pb, const Item& it, int64_t r) {
+  const int64_t token = it.first + r / pb.group, q_head = it.head * pb.group + r % pb.group;
+  return static_cast<const T*>(pb.query) + token * pb.query_stride + q_head * pb.head_dim;
+}
+
+// Scores of rows r0..r0+16 against keys k0..k0+kKeys (raw dot products in s): scaled, capped, masked, folded
+// into the running max m, sum l and output rows o (rescaled); p gets the tile's probabilities (P: float or
+// bf16 bits). Returns false when no row of the block sees any key of the tile (p untouched).
+template <typename P>
+bool softmax_block(const Problem& pb, const Item& it, int64_t r0, int64_t k0, float* s, P* p, Workspace& ws) {
+  const int64_t d = pb.head_dim;
+  bool any = false;
+  for (int64_t rr = 0; rr < kRows; ++rr) {
+    const int64_t r = r0 + rr;
+    float* srow = s + rr * kKeys;
+    P* prow = p + rr * kKeys;
+    const int64_t pos = it.pos0 + r / pb.group;
+    const int64_t lo = r < it.rows ? std::max<int64_t>(first_visible(pb, pos) - k0, 0) : kKeys;
+    const int64_t hi = r < it.rows ? std::min<int64_t>(pos + 1 - k0, kKeys) : 0;
+    if (lo >= hi) {
+      std::memset(prow, 0, kKeys * sizeof(P));
+      continue;
+    }
+    any = true;
+    float top = -INFINITY;
+    if (pb.soft_cap > 0.f) {
+      for (int64_t j = lo; j < hi; ++j) {
+        srow[j] = pb.soft_cap * std::tanh(srow[j] * pb.scale / pb.soft_cap);
+        top = srow[j] > top ? srow[j] : top;
+      }
+    } else {
+#pragma omp simd reduction(max : top)
+      for (int64_t j = 0; j < kKeys; ++j) {
+        srow[j] *= pb.scale;
+        top = j >= lo && j < hi && srow[j] > top ? srow[j] : top;
+      }
+    }
+    const float m_new = std::max(ws.m[r], top);
+    const float alpha = ws.m[r] == -INFINITY ? 0.f : fast_exp(ws.m[r] - m_new);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const float e = j >= lo && j < hi ? fast_exp(srow[j] - m_new) : 0.f;
+      prow[j] = Elem<P>::store(e);
+      sum += e;
+    }
+    ws.l[r] = ws.l[r] * alpha + sum;
+    ws.m[r] = m_new;
+    if (alpha != 1.f) {
+      float* orow = ws.o.data() + r * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) orow[c] *= alpha;
+    }
+  }
+  return any;
+}
+
+// True when the rows r0..r0+16 (tokens in order) may see a key of the tile at k0 (causal bound only).
+inline bool block_reaches(const Problem& pb, const Item& it, int64_t r0, int64_t k0) {
+  const int64_t last = std::min(r0 + kRows, it.rows) - 1;
+  return last >= r0 && it.pos0 + last / pb.group >= k0;
+}
+
+template <typename T>
+void store_output(const Problem& pb, const Item& it, const Workspace& ws) {
+  const int64_t d = pb.head_dim;
+  for (int64_t r = 0; r < it.rows; ++r) {
+    const int64_t token = it.first + r / pb.group, q_head = it.head * pb.group + r % pb.group;
+    T* dst = static_cast<T*>(pb.out) + token * pb.out_stride + q_head * d;
+    const float* src = ws.o.data() + r * d;
+    const float inv = 1.f / ws.l[r];
+    for (int64_t c = 0; c < d; ++c) dst[c] = Elem<T>::store(src[c] * inv);
+  }
+}
+
+void reset_state(const Item& it, int64_t head_dim, Workspace& ws) {
+  ws.o.assign(it.padded * head_dim, 0.f);
+  ws.m.assign(it.padded, -INFINITY);
+  ws.l.assign(it.padded, 0.f);
+}
+
+// The fp32 path: K packed transposed ([D][kKeys], so a row's scores are one vector loop over keys), V as rows.
+template <typename T>
+void pack_tile_f32(const Problem& pb, const Item& it, int64_t k0, Workspace& ws) {
+  const int64_t d = pb.head_dim;
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t pos = k0 + j;
+    float* vrow = ws.vf.data() + j * d;
+    if (pos < it.key_begin || pos >= it.key_end) {
+      for (int64_t c = 0; c < d; ++c) ws.kt[c * kKeys + j] = 0.f;
+      std::memset(vrow, 0, d * sizeof(float));
+      continue;
+    }
+    const T* krow = cache_row<T>(pb.key_cache, pb, pos, it.head);
+    const T* vsrc = cache_row<T>(pb.value_cache, pb, pos, it.head);
+    for (int64_t c = 0; c < d; ++c) ws.kt[c * kKeys + j] = Elem<T>::load(krow[c]);
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) vrow[c] = Elem<T>::load(vsrc[c]);
+  }
+}
+
+template <typename T>
+void run_item_f32(const Problem& pb, const Item& it, Workspace& ws) {
+  const int64_t d = pb.head_dim;
+  reset_state(it, d, ws);
+  ws.qf.assign(it.padded * d, 0.f);
+  ws.kt.resize(d * kKeys);
+  ws.vf.resize(kKeys * d);
+  ws.scores.resize(kRows * kKeys);
+  ws.probs.resize(kRows * kKeys);
+  for (int64_t r = 0; r < it.rows; ++r) {
+    const T* src = query_row<T>(pb, it, r);
+    for (int64_t c = 0; c < d; ++c) ws.qf[r * d + c] = Elem<T>::load(src[c]);
+  }
+  for (int64_t k0 = it.key_begin / kKeys * kKeys; k0 < it.key_end; k0 += kKeys) {
+    pack_tile_f32<T>(pb, it, k0, ws);
+    for (int64_t r0 = 0; r0 < it.padded; r0 += kRows) {
+      if (!block_reaches(pb, it, r0, k0)) continue;
+      float* s = ws.scores.data();
+      std::memset(s, 0, kRows * kKeys * sizeof(float));
+      for (int64_t rr = 0; rr < kRows; ++rr) {
+        const float* q = ws.qf.data() + (r0 + rr) * d;
+        float* srow = s + rr * kKeys;
+        for (int64_t c = 0; c < d; ++c) {
+          const float qc = q[c];
+          const float* kc = ws.kt.data() + c * kKeys;
+#pragma omp simd
+          for (int64_t j = 0; j < kKeys; ++j) srow[j] += qc * kc[j];
+        }
+      }
+      if (!softmax_block(pb, it, r0, k0, s, ws.probs.data(), ws)) continue;
+      for (int64_t rr = 0; rr < kRows; ++rr) {
+        float* orow = ws.o.data() + (r0 + rr) * d;
+        const float* prow = ws.probs.data() + rr * kKeys;
+        for (int64_t j = 0; j < kKeys; ++j) {
+          const float pj = prow[j];
+          const float* vrow = ws.vf.data() + j * d;
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) orow[c] += pj * vrow[c];
+        }
+      }
+    }
+  }
+  store_output<T>(pb, it, ws);
+}
+
+#ifdef PAGEDSERVE_PREFILL_AMX
+// Eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 the A operand, 5 the B operand.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// Linux hands out the AMX register state only on request (once per process).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// fast_exp (cpu_common.h) sixteen lanes at a time: the same clamp, reduction and polynomial.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, whole), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, whole);
+}
+
+// Lanes 16i..16i+15 of a row that fall in [lo, hi).
+inline __mmask16 lane_mask(int64_t i, int64_t lo, int64_t hi) {
+  const int64_t a = std::clamp<int64_t>(lo - 16 * i, 0, 16), b = std::clamp<int64_t>(hi - 16 * i, 0, 16);
+  return static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
+
+// softmax_block for bf16 probabilities without a soft cap, in AVX-512 (the compiler's masked loops were slow).
+bool softmax_block_avx512(const Problem& pb, const Item& it, int64_t r0, int64_t k0, Workspace& ws) {
+  constexpr int64_t kVecs = kKeys / 16;
+  const int64_t d = pb.head_dim;
+  const __m512 scale = _mm512_set1_ps(pb.scale);
+  bool any = false;
+  for (int64_t rr = 0; rr < kRows; ++rr) {
+    const int64_t r = r0 + rr, pos = it.pos0 + r / pb.group;
+    const int64_t lo = r < it.rows ? std::max<int64_t>(first_visible(pb, pos) - k0, 0) : kKeys;
+    const int64_t hi = r < it.rows ? std::min<int64_t>(pos + 1 - k0, kKeys) : 0;
+    uint16_t* prow = ws.pb.data() + rr * kKeys;
+    if (lo >= hi) {
+      std::memset(prow, 0, kKeys * sizeof(uint16_t));
+      continue;
+    }
+    any = true;
+    const float* srow = ws.scores.data() + rr * kKeys;
+    __m512 v[kVecs];
+    __mmask16 mask[kVecs];
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < kVecs; ++i) {
+      mask[i] = lane_mask(i, lo, hi);
+      v[i] = _mm512_mul_ps(_mm512_loadu_ps(srow + 16 * i), scale);
+      top = _mm512_mask_max_ps(top, mask[i], top, v[i]);
+    }
+    const float m_new = std::max(ws.m[r], _mm512_reduce_max_ps(top));
+    const float alpha = ws.m[r] == -INFINITY ? 0.f : fast_exp(ws.m[r] - m_new);
+    const __m512 shift = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kVecs; ++i) {
+      v[i] = _mm512_maskz_mov_ps(mask[i], exp16(_mm512_sub_ps(v[i], shift)));
+      sum = _mm512_add_ps(sum, v[i]);
+    }
+    for (int64_t i = 0; i < kVecs; i += 2) {
+      _mm512_storeu_si512(prow + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
+    }
+    ws.l[r] = ws.l[r] * alpha + _mm512_reduce_add_ps(sum);
+    ws.m[r] = m_new;
+    if (alpha != 1.f) {
+      float* orow = ws.o.data() + r * d;
+      const __m512 a = _mm512_set1_ps(alpha);
+      for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), a));
+    }
+  }
+  return any;
+}
+
+// K as AMX's B operand of S = Q K^T: element (dim pair c, key j) = K[j][2c..2c+1] as one uint32, [D/2][kKeys].
+// V as the B operand of O = P V: element (key pair j, dim c) = (V[2j][c], V[2j+1][c]), [kKeys/2][D].
+void pack_tile_amx(const Problem& pb, const Item& it, int64_t k0, Workspace& ws) {
+  const int64_t d = pb.head_dim, pairs = d / 2;
+  static const uint16_t zeros[512] = {};
+  for (int64_t j = 0; j < kKeys; j += 2) {
+    const uint16_t* rows[2][2];
+    for (int64_t e = 0; e < 2; ++e) {
+      const int64_t pos = k0 + j + e;
+      const bool valid = pos >= it.key_begin && pos < it.key_end;
+      rows[0][e] = valid ? cache_row<uint16_t>(pb.key_cache, pb, pos, it.head) : zeros;
+      rows[1][e] = valid ? cache_row<uint16_t>(pb.value_cache, pb, pos, it.head) : zeros;
+    }
+    for (int64_t e = 0; e < 2; ++e) {
+      const uint32_t* k32 = reinterpret_cast<const uint32_t*>(rows[0][e]);
+      for (int64_t c = 0; c < pairs; ++c) ws.kp[c * kKeys + j + e] = k32[c];
+    }
+    uint32_t* vrow = ws.vp.data() + (j / 2) * d;
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) {
+      vrow[c] = static_cast<uint32_t>(rows[1][0][c]) | static_cast<uint32_t>(rows[1][1][c]) << 16;
+    }
+  }
+}
+
+// S (16 rows x kKeys, fp32) = Q rows r0.. times the packed K tile, 64 keys (four accumulators) at a time.
+void scores_amx(const Problem& pb, int64_t r0, Workspace& ws) {
+  const int64_t d = pb.head_dim;
+  for (int64_t k = 0; k < kKeys; k += 64) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < d / 32; ++c) {
+      _tile_loadd(4, ws.qb.data() + r0 * d + c * 32, d * 2);
+      const uint32_t* b = ws.kp.data() + c * 16 * kKeys + k;
+      _tile_loadd(5, b, kKeys * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, b + 16, kKeys * 4);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, b + 32, kKeys * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, b + 48, kKeys * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    float* s = ws.scores.data() + k;
+    _tile_stored(0, s, kKeys * 4);
+    _tile_stored(1, s + 16, kKeys * 4);
+    _tile_stored(2, s + 32, kKeys * 4);
+    _tile_stored(3, s + 48, kKeys * 4);
+  }
+}
+
+// O rows r0.. += P (16 x kKeys, bf16) times the packed V tile, 64 output columns at a time.
+void accumulate_amx(const Problem& pb, int64_t r0, Workspace& ws) {
+  const int64_t d = pb.head_dim;
+  for (int64_t half = 0; half < d; half += 64) {
+    float* o = ws.o.data() + r0 * d + half;
+    _tile_loadd(0, o, d * 4);
+    _tile_loadd(1, o + 16, d * 4);
+    _tile_loadd(2, o + 32, d * 4);
+    _tile_loadd(3, o + 48, d * 4);
+    for (int64_t kc = 0; kc < kKeys / 32; ++kc) {
+      _tile_loadd(4, ws.pb.data() + kc * 32, kKeys * 2);
+      const uint32_t* b = ws.vp.data() + kc * 16 * d + half;
+      _tile_loadd(5, b, d * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, b + 16, d * 4);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, b + 32, d * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, b + 48, d * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, o, d * 4);
+    _tile_stored(1, o + 16, d * 4);
+    _tile_stored(2, o + 32, d * 4);
+    _tile_stored(3, o + 48, d * 4);
+  }
+}
+
+void run_item_amx(const Problem& pb, const Item& it, Workspace& ws) {
+  const int64_t d = pb.head_dim;
+  reset_state(it, d, ws);
+  ws.qb.assign(it.padded * d, 0);
+  ws.kp.resize(d / 2 * kKeys);
+  ws.vp.resize(kKeys / 2 * d);
+  ws.scores.resize(kRows * kKeys);
+  ws.pb.resize(kRows * kKeys);
+  for (int64_t r = 0; r < it.rows; ++r) {
+    std::memcpy(ws.qb.data() + r * d, query_row<uint16_t>(pb, it, r), d * sizeof(uint16_t));
+  }
+  for (int64_t k0 = it.key_begin / kKeys * kKeys; k0 < it.key_end; k0 += kKeys) {
+    pack_tile_amx(pb, it, k0, ws);
+    for (int64_t r0 = 0; r0 < it.padded; r0 += kRows) {
+      if (!block_reaches(pb, it, r0, k0)) continue;
+      scores_amx(pb, r0, ws);
+      const bool any = pb.soft_cap > 0.f ? softmax_block(pb, it, r0, k0, ws.scores.data(), ws.pb.data(), ws)
+                                          : softmax_block_avx512(pb, it, r0, k0, ws);
+      if (any) accumulate_amx(pb, r0, ws);
+    }
+  }
+  store_output<uint16_t>(pb, it, ws);
+}
+#endif
+
+template <typename T>
+void run_items(const Problem& pb, int64_t begin, int64_t end, bool amx) {
+  thread_local Workspace ws;
+#ifdef PAGEDSERVE_PREFILL_AMX
+  if constexpr (sizeof(T) == 2) {
+    if (amx) {
+      TileConfig config;
+      _tile_loadconfig(&config);
+      for (int64_t i = begin; i < end; ++i) run_item_amx(pb, make_item(pb, i), ws);
+      _tile_release();
+      return;
+    }
+  }
+#endif
+  (void)amx;
+  for (int64_t i = begin; i < end; ++i) run_item_f32<T>(pb, make_item(pb, i), ws);
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 where bf16 prefill attention can run on AMX tiles (built for them, and the OS grants them), else 0.
+int pagedserve_prefill_attention_amx() {
+#ifdef PAGEDSERVE_PREFILL_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// One chunk of q_len queries whose last sits at seq_len - 1, work items begin..end-1 of
+// num_kv_heads * ceil(q_len / query_block). Strides in elements; caches contiguous
+// [num_blocks, block_size, num_kv_heads, head_dim]. Returns 0, 1 for an unsupported dtype, 2 when AMX was
+// asked for and is not available or head_dim is not a multiple of 64.
+int pagedserve_prefill_attention(void* out, const void* query, const void* key_cache, const void* value_cache,
+                                 const int32_t* table, int64_t q_len, int64_t seq_len, int64_t num_q_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t query_stride,
+                                 int64_t out_stride, float scale, int64_t window, float soft_cap,
+                                 int64_t query_block, int64_t begin, int64_t end, int use_amx, int dtype) {
+  if (use_amx && (pagedserve_prefill_attention_amx() == 0 || head_dim % 64 != 0 || head_dim > 512 || dtype != pagedserve::kBFloat16)) {
+    return 2;
+  }
+  const Problem pb{query,    key_cache, value_cache, out,        table,      q_len,    seq_len,
+                   num_q_heads, num_kv_heads, head_dim, block_size, query_stride, out_stride, scale,
+                   window,   soft_cap,  num_q_heads / num_kv_heads, query_block};
+  return pagedserve::with_dtype(dtype, [&](auto tag) { run_items<decltype(tag)>(pb, begin, end, use_amx != 0); });
+}
+
+}  // extern "C"
