@@ -43,17 +43,19 @@ def _subscribe(endpoint: str, topic: bytes = b"") -> zmq.Socket:
     return sub
 
 
-def test_a_batch_is_vllms_array_like_tagged_msgpack():
-    events = [BlockStored([11, 12], None, [1, 2, 3, 4], 2, None, None), BlockRemoved([11]), AllBlocksCleared()]
+def test_a_batch_is_positional_and_its_events_are_maps_tagged_by_type():
+    events = [BlockStored([11, 12], None, [1, 2, 3, 4], 2, 3, "sql"), BlockRemoved([11]), AllBlocksCleared()]
     assert msgpack.unpackb(encode_batch(events, 1.5, 3)) == [
         1.5,
-        [["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", None], ["BlockRemoved", [11], "GPU"],
-         ["AllBlocksCleared"]],
+        [{"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+          "block_size": 2, "lora_id": 3, "medium": "GPU", "lora_name": "sql"},
+         {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"},
+         {"type": "AllBlocksCleared"}],
         3,
     ]
-    # Hashes are unsigned 64-bit: the largest still packs as a msgpack uint64.
+    # Hashes are unsigned 64-bit (a router refuses negative ones): the largest packs as a msgpack uint64.
     big = external_hash(b"\xff" * 16)
-    assert msgpack.unpackb(encode_batch([BlockRemoved([big])], 0.0, 0))[1][0][1] == [2**64 - 1]
+    assert msgpack.unpackb(encode_batch([BlockRemoved([big])], 0.0, 0))[1][0]["block_hashes"] == [2**64 - 1]
 
 
 def test_data_parallel_ranks_offset_the_port_as_vllm_does():
@@ -80,12 +82,13 @@ def test_subscribers_get_numbered_batches_and_a_late_one_catches_up_by_replay():
             assert time.monotonic() < deadline, "subscriber never joined"
         topic, seq, payload = sub.recv_multipart()
         first = int.from_bytes(seq, "big")
-        assert topic == b"kv" and msgpack.unpackb(payload)[1] == [["BlockRemoved", [0], "GPU"]]
+        assert topic == b"kv" and msgpack.unpackb(payload)[1] == [{"type": "BlockRemoved", "block_hashes": [0],
+                                                                    "medium": "GPU"}]
         for i in range(3):
             publisher.publish([BlockStored([100 + i], None, [i, i], 2, None, None)])
         got = [sub.recv_multipart() for _ in range(3)]
         assert [int.from_bytes(s, "big") for _, s, _ in got] == [first + 1, first + 2, first + 3]
-        assert [msgpack.unpackb(p)[1][0][1] for _, _, p in got] == [[100], [101], [102]]
+        assert [msgpack.unpackb(p)[1][0]["block_hashes"] for _, _, p in got] == [[100], [101], [102]]
         # A subscriber that joins now asks the replay socket for everything from first + 1 on.
         replay = zmq.Context.instance().socket(zmq.DEALER)
         replay.setsockopt(zmq.RCVTIMEO, 5000)
@@ -97,7 +100,7 @@ def test_subscribers_get_numbered_batches_and_a_late_one_catches_up_by_replay():
             if seq == (-1).to_bytes(8, "big", signed=True):
                 assert payload == b""
                 break
-            answers.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1][0][1]))
+            answers.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1][0]["block_hashes"]))
         assert answers == [(first + 1, [100]), (first + 2, [101]), (first + 3, [102])]
         replay.close(0)
         sub.close(0)
@@ -134,9 +137,9 @@ def test_the_engine_publishes_its_prefix_cache_and_reset(tiny_llama_path):
         while sub.poll(1000):
             batches.append(msgpack.unpackb(sub.recv_multipart()[2]))
         events = [event for batch in batches for event in batch[1]]
-        stored = [e for e in events if e[0] == "BlockStored"]
-        assert stored and stored[0][3][:16] == prompt[:16] and stored[0][4] == 4
-        assert events[-1] == ["AllBlocksCleared"]
+        stored = [e for e in events if e["type"] == "BlockStored"]
+        assert stored and stored[0]["token_ids"][:16] == prompt[:16] and stored[0]["block_size"] == 4
+        assert events[-1] == {"type": "AllBlocksCleared"}
     finally:
         sub.close(0)
         engine.shutdown()

@@ -1,11 +1,13 @@
 """Publishes the block manager's KV cache events over ZMQ in vLLM's wire format, off the step's thread.
 
-Each step's events form one batch, msgpack-encoded as vLLM's msgspec structs with `array_like=True, tag=True`
-write them (what vllm-router, Dynamo's ZMQ relay and llm-d's indexer decode):
+Each step's events form one batch, msgpack-encoded as vLLM's msgspec structs are: the batch a positional
+array, each event a map tagged with its class name under "type" (what vllm-router's kv_index decodes, and
+Dynamo's ZMQ relay and llm-d's indexer with it):
   batch            [ts, [event, ...], data_parallel_rank]
-  BlockStored      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]
-  BlockRemoved     ["BlockRemoved", block_hashes, medium]
-  AllBlocksCleared ["AllBlocksCleared"]
+  BlockStored      {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                    "lora_id", "medium", "lora_name"}
+  BlockRemoved     {"type": "BlockRemoved", "block_hashes", "medium"}
+  AllBlocksCleared {"type": "AllBlocksCleared"}
 and is sent as the multipart message (topic, sequence number as 8 bytes big-endian, payload). A subscriber
 that missed batches sends the first sequence number it lacks (8 bytes big-endian) to the replay ROUTER socket
 and gets (sequence, payload) for each buffered batch from there on, then (-1, b"").
@@ -32,15 +34,17 @@ logger = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def encode_event(event: KVEvent) -> list:
-    """One event as vLLM's tagged positional array."""
+def encode_event(event: KVEvent) -> dict:
+    """One event as vLLM's map tagged with its class name."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                event.lora_id, event.medium, event.lora_name]
+        return {"type": "BlockStored", "block_hashes": event.block_hashes,
+                "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
+                "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
+                "lora_name": event.lora_name}
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
+        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
     if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"]
+        return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
 
 
