@@ -10,12 +10,13 @@ import random
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
-from pagedserve.backend.model.quantized import QuantizedLinear
+from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear
 from pagedserve.testing import make_tiny_model
 from tests.support import tiny_gguf
 from tests.support.engines import cpu_engine, greedy
@@ -91,3 +92,27 @@ def test_rope_factors_no_llama3_scaling_reproduces_are_refused_naming_the_tensor
     path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "odd.gguf", q4_k_m, metadata={"rope_parameters": odd})
     with pytest.raises(GGUFError, match=r"'rope_freqs\.weight' holds rope factors that no llama3 rope scaling"):
         load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+
+
+def test_a_tied_quantized_gemma_table_is_looked_up_as_stored_and_held_once(tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", "gemma2", seed=27, **{**_WIDE, **FAMILIES["gemma2"]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "tied.gguf", q4_k_m)
+    model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+    table = model.embed_tokens.weight
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.lm_head.weight is table
+    assert table.bits == 4 and table.qweight is None and table.scales is None  # the GEMM's tiles hold it alone
+    want = load_file(str(path.with_suffix(".ref") / "model.safetensors"))["model.embed_tokens.weight"]
+    ids = torch.tensor([0, 7, 300, 7])
+    assert torch.equal(model.embed_tokens(ids), want[ids])
+    assert torch.equal(model.embed(ids), want[ids] * torch.tensor(256**0.5))
+
+
+def test_an_untied_quantized_table_is_not_packed_for_a_gemm_it_never_runs(tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", "qwen3", seed=28, **{**_WIDE, **FAMILIES["qwen3"]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "untied.gguf", q4_k_m)
+    model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+    table = model.embed_tokens.weight
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.lm_head.weight is not table
+    assert table.packed == {} and table.qweight is not None
+    want = load_file(str(path.with_suffix(".ref") / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(model.embed_tokens(torch.tensor([3, 1])), want[[3, 1]])

@@ -63,8 +63,14 @@ _FAMILY_NAMES = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_
                  "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
-# config.json model_type -> GGUF general.architecture.
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# The MoE families' router and shared expert (llama.cpp's names); the router and the shared expert's gate stay F32.
+_MOE_NAMES = {"mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_FLOAT_ONLY = ("ffn_gate_inp.", "ffn_gate_inp_shexp.")
+# config.json model_type -> GGUF general.architecture (llama.cpp's converter writes Mixtral as llama).
+GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+             "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str:
@@ -75,7 +81,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if name in top:
         return top[name]
     _, layer, *rest = name.split(".")
-    names = {**_NAMES, **_FAMILY_NAMES, **(_GEMMA_NAMES if arch.startswith("gemma") else {})}
+    names = {**_NAMES, **_FAMILY_NAMES, **_MOE_NAMES, **(_GEMMA_NAMES if arch.startswith("gemma") else {})}
     return f"blk.{layer}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
@@ -134,15 +140,18 @@ def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metada
     tensors = load_file(str(folder / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, {**config, **(metadata or {})}, folder)
-    twin = {}
+    twin = _write_experts(writer, tensors, kind_of, seed)
     for i, (name, tensor) in enumerate(sorted(tensors.items())):
         target = gguf_name(name, arch)
-        kind = kind_of(target) if tensor.dim() == 2 else None
+        float_only = any(f".{part}" in target for part in _FLOAT_ONLY)
+        kind = kind_of(target) if tensor.dim() == 2 and not float_only else None
         heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(
             name.split(".")[-2]) if arch == "llama" else None
         if kind is None:
             stored = tensor + 1 if arch.startswith("gemma") and "norm" in name else tensor
             twin[name] = stored - 1 if arch.startswith("gemma") and "norm" in name else stored
+            if target.endswith("ffn_gate_inp_shexp.weight"):  # llama.cpp's converter writes it as a vector
+                stored = stored.reshape(-1)
             writer.add_tensor(target, (permute_qk(stored, heads) if heads else stored).numpy())
             continue
         raw = _blocks_of(kind, tensor, seed * 1000 + i)
@@ -152,6 +161,34 @@ def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metada
     _finish(writer)
     _write_twin(folder, out.with_suffix(".ref"), twin)
     return out
+
+
+# Each expert's projection -> llama.cpp's stacked tensor (Mixtral's w1 / w3 / w2 are gate / up / down).
+_EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+                  "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def _write_experts(writer: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], kind_of, seed: int) -> dict:
+    """Pop the per-expert tensors from `tensors` and write each layer's projection as one stacked [experts, rows,
+    cols] tensor of type `kind_of(name)`, as llama.cpp's converter stacks them; returns their dequantized twins."""
+    stacks: dict[tuple[str, str], dict[int, str]] = {}
+    for name in [n for n in tensors if ".experts." in n]:
+        head, expert, projection, _ = name.split(".experts.")[0], *name.split(".experts.")[1].split(".")
+        stacks.setdefault((head, projection), {})[int(expert)] = name
+    twin = {}
+    for n, ((head, projection), names) in enumerate(sorted(stacks.items())):
+        target = f"blk.{head.split('.')[2]}.{_EXPERT_STACKS[projection]}.weight"
+        weights = [tensors.pop(names[e]) for e in range(len(names))]
+        kind = kind_of(target)
+        if kind is None:
+            twin.update({names[e]: w for e, w in enumerate(weights)})
+            writer.add_tensor(target, torch.stack(weights).numpy())
+            continue
+        raw = np.stack([_blocks_of(kind, w, seed * 1000 + 500 + n * 64 + e) for e, w in enumerate(weights)])
+        twin.update({names[e]: torch.from_numpy(gguf.quants.dequantize(r, getattr(Q, kind))) for e, r in
+                     enumerate(raw)})
+        writer.add_tensor(target, raw, raw_dtype=getattr(Q, kind))
+    return twin
 
 
 def _blocks_of(kind: str, tensor: torch.Tensor, seed: int) -> np.ndarray:
@@ -232,6 +269,7 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, folder: Path) -> None
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_vocab_size(config["vocab_size"])
     _write_family_metadata(writer, config)
+    _write_moe_metadata(writer, config)
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     vocab = {**tokenizer["model"]["vocab"], **{t["content"]: t["id"] for t in tokenizer["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
@@ -265,6 +303,19 @@ def _write_family_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
             writer.add_rope_scaling_attn_factors(rope["attention_factor"])
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def _write_moe_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
+    """The expert keys llama.cpp's converter writes (Mixtral's experts are intermediate_size wide)."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def llama3_rope_factors(rope: dict, config: dict) -> np.ndarray:

@@ -183,8 +183,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         """Embeddings times sqrt(hidden_size), the factor rounded to the model dtype as transformers rounds it."""
-        table = self.embed_tokens.weight
-        return self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size**0.5, dtype=table.dtype)
+        hidden = self.embed_tokens(input_ids)  # in the model's dtype, from a float or a quantized table
+        return hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, V] fp32
         """lm_head's logits, soft-capped (cap * tanh(logit / cap)) in the model dtype, as fp32."""

@@ -1,6 +1,7 @@
 """Read a GGUF file: its metadata as a config.json dict, and each tensor unpacked exactly into a QuantizedWeight
 (the quantized types of gguf_blocks.FORMATS: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) or a float
-tensor (F32, F16, BF16). Other tensor types are refused naming the tensor."""
+tensor (F32, F16, BF16); a stacked 3-D expert tensor into one such weight per expert. Other tensor types are refused
+naming the tensor."""
 
 from __future__ import annotations
 
@@ -32,7 +33,14 @@ ARCHITECTURES = {
     "phi3": GGUFArch("Phi3ForCausalLM"),
     "gemma2": GGUFArch("Gemma2ForCausalLM", gemma=True),
     "gemma3": GGUFArch("Gemma3ForCausalLM", gemma=True),
+    "qwen2moe": GGUFArch("Qwen2MoeForCausalLM"),
+    "qwen3moe": GGUFArch("Qwen3MoeForCausalLM"),
 }
+# llama.cpp's converter writes Mixtral as `llama` with expert tensors (its expert_count set).
+MIXTRAL = GGUFArch("MixtralForCausalLM", permuted=True)
+# Whether an architecture's top-k expert weights are rescaled to sum to one when the file does not say
+# (expert_weights_norm): as llama.cpp's graph for each (Qwen3-MoE and Mixtral do, Qwen2-MoE does not).
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Tensors that carry config, not weights: Phi-3's LongRoPE factors (long, short), Llama 3's rope factors.
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
@@ -105,7 +113,7 @@ def config_dict(path: str | Path) -> dict[str, Any]:
     elif meta("rope.scaling.type") not in (None, "none"):
         raise GGUFError(f"GGUF rope scaling {meta('rope.scaling.type')!r} is not supported; supported: linear")
     config = {
-        "architectures": [ARCHITECTURES[arch].hf],
+        "architectures": [_arch(reader, arch).hf],
         "vocab_size": int(meta("vocab_size", len(field(reader, "tokenizer.ggml.tokens", [])))),
         "hidden_size": hidden,
         "intermediate_size": int(meta("feed_forward_length", required=True)),
@@ -161,7 +169,7 @@ def _llama3_rope(reader: Any, rope: dict[str, Any], head_dim: int) -> dict[str, 
 
 def _family_keys(arch: str, reader: Any, meta: Any, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
     """The config.json keys a family adds, from its metadata (as llama.cpp reads them)."""
-    keys: dict[str, Any] = {}
+    keys: dict[str, Any] = _moe_keys(arch, meta, config) if meta("expert_count") or arch.endswith("moe") else {}
     if ROPE_FREQS_TENSOR in names:
         keys["rope_parameters"] = _llama3_rope(reader, config["rope_parameters"], config["head_dim"])
     if arch == "phi3":
@@ -185,9 +193,30 @@ def _family_keys(arch: str, reader: Any, meta: Any, config: dict[str, Any], name
     return keys
 
 
+def _moe_keys(arch: str, meta: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """The expert keys (Qwen-MoE's and Mixtral's config.json names) from llama.cpp's expert metadata."""
+    experts = int(meta("expert_count", required=True))
+    expert_ff = int(meta("expert_feed_forward_length", config["intermediate_size"]))
+    norm = meta("expert_weights_norm")
+    keys = {"num_experts": experts, "num_local_experts": experts,
+            "num_experts_per_tok": int(meta("expert_used_count", required=True)), "moe_intermediate_size": expert_ff,
+            "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length", 0)),
+            "norm_topk_prob": _NORM_TOPK.get(arch, False) if norm is None else bool(norm),
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "llama":  # Mixtral's experts are intermediate_size wide
+        keys["intermediate_size"] = expert_ff
+    return keys
+
+
+def _arch(reader: Any, arch: str) -> GGUFArch:
+    """A `llama` file with experts is Mixtral's."""
+    return MIXTRAL if arch == "llama" and field(reader, "llama.expert_count") else ARCHITECTURES[arch]
+
+
 def architecture(path: str | Path) -> GGUFArch:
     """How the file's architecture loads (config_dict has refused the unsupported ones)."""
-    return ARCHITECTURES[field(read(path), "general.architecture")]
+    reader = read(path)
+    return _arch(reader, field(reader, "general.architecture"))
 
 
 def permutes_qk(path: str | Path) -> bool:
@@ -216,6 +245,24 @@ def unpack(tensor: Any) -> QuantizedWeight | torch.Tensor:
         raise GGUFError(f"GGUF tensor {tensor.name!r} of type {kind} has shape {shape}; quantized tensors must be 2-D")
     try:
         return unpack_blocks(kind, torch.from_numpy(np.array(tensor.data)), *shape)
+    except ValueError as error:
+        raise GGUFError(f"GGUF tensor {tensor.name!r}: {error}") from None
+
+
+def unpack_experts(tensor: Any) -> list[QuantizedWeight | torch.Tensor]:
+    """A stacked [experts, rows, cols] tensor (ffn_*_exps) as one weight per expert, each exactly as stored."""
+    shape = _shape(tensor)
+    if len(shape) != 3:
+        raise GGUFError(f"GGUF expert tensor {tensor.name!r} has shape {shape}; expert tensors are [experts, rows, "
+                        "cols]")
+    kind = tensor.tensor_type.name
+    if kind in FLOAT_TYPES:
+        return list(unpack(tensor).unbind(0))
+    if kind not in QUANT_TYPES:
+        unpack(tensor)  # refused naming the tensor and its type
+    data = torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1)
+    try:
+        return [unpack_blocks(kind, expert, *shape[1:]) for expert in data]
     except ValueError as error:
         raise GGUFError(f"GGUF tensor {tensor.name!r}: {error}") from None
 

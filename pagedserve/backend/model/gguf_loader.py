@@ -1,6 +1,7 @@
-"""Build the model of the file's family (llama, qwen2, qwen3, phi3, gemma2, gemma3) from a GGUF file without
-dequantizing it: quantized tensors become QuantizedLinear / QuantizedEmbedding layers holding the file's own
-integers and scales; float tensors load as they are."""
+"""Build the model of the file's family (llama, qwen2, qwen3, phi3, gemma2, gemma3; the MoE qwen2moe, qwen3moe and
+Mixtral stored as llama) from a GGUF file without dequantizing it: quantized tensors become QuantizedLinear /
+QuantizedEmbedding layers (quantized experts QuantizedExperts) holding the file's own integers and scales; float
+tensors load as they are."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_file import GGUFError
+from pagedserve.backend.model.moe import QuantizedExperts, SparseMoeBlock
 from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear, prepare_quantized
 from pagedserve.backend.model.registry import family_for
 from pagedserve.kernels.quant_linear import QuantizedWeight
@@ -35,6 +37,7 @@ _HEAD_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_no
 # The metadata keys (after the architecture's prefix) that decide every weight's shape.
 _SHAPE_KEYS = ("embedding_length, feed_forward_length, attention.head_count, attention.head_count_kv, "
                "attention.key_length, vocab_size")
+_EXPERT_KEYS = "embedding_length, expert_count, expert_feed_forward_length"
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, max_position: int) -> nn.Module:
@@ -46,8 +49,13 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype, device: torch.device, 
     source = _Source(path, cfg)
     norms = _GEMMA_NORMS if source.gemma else _NORMS
     for i, layer in enumerate(model.layers):
+        moe = isinstance(layer.mlp, SparseMoeBlock)
+        if moe:
+            _set_moe(layer.mlp, source, i, dtype, device)
         for target, alternatives in _LINEARS.items():
             parent, name = target.split(".")
+            if moe and parent == "mlp":
+                continue
             names = source.first_present(i, alternatives)
             _set_linear(getattr(layer, parent), name, source.rows(names), source.bias(names), dtype, device,
                         [f"{n}.weight" for n in names])
@@ -106,6 +114,13 @@ class _Source:
             loaded = loaded[rows] if isinstance(loaded, torch.Tensor) else select_rows(loaded, rows)
         return loaded
 
+    def experts(self, name: str) -> list[Loaded]:
+        """A stacked expert tensor as one weight per expert."""
+        if name not in self.tensors:
+            raise GGUFError(f"GGUF file {str(self.path)!r} has no tensor {name!r}")
+        self.used.add(name)
+        return gguf_file.unpack_experts(self.tensors[name])
+
     def float(self, name: str) -> torch.Tensor:
         loaded = self.get(name)
         return loaded if isinstance(loaded, torch.Tensor) else loaded.dequantize()
@@ -147,7 +162,7 @@ def _set_linear(parent: nn.Module, name: str, weight: Loaded, bias: torch.Tensor
     the GGUF tensors stacked into it (named when their shape contradicts the metadata)."""
     linear: nn.Linear = getattr(parent, name)
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
-    shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (weight.out_features, weight.in_features)
+    shape = _shape_of(weight)
     if shape != tuple(linear.weight.shape):
         raise GGUFError(f"GGUF tensors {', '.join(map(repr, tensors))} stack to shape {shape}, but the file's "
                         f"metadata ({_SHAPE_KEYS}) gives {tuple(linear.weight.shape)}")
@@ -159,13 +174,46 @@ def _set_linear(parent: nn.Module, name: str, weight: Loaded, bias: torch.Tensor
     setattr(parent, name, QuantizedLinear(weight.to(device), bias))
 
 
+def _set_moe(block: SparseMoeBlock, source: _Source, i: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Layer i's router, experts and Qwen2-MoE's shared expert with its gate."""
+    router = f"blk.{i}.ffn_gate_inp"
+    _set_linear(block, "gate", source.rows([router]), None, dtype, device, [f"{router}.weight"])
+    _set_experts(block, [source.experts(f"blk.{i}.ffn_{part}_exps.weight") for part in ("gate", "up", "down")], i,
+                 device)
+    if block.shared_expert is not None:
+        shared = [f"blk.{i}.ffn_{part}_shexp" for part in ("gate", "up", "down")]
+        _set_linear(block.shared_expert, "gate_up_proj", source.rows(shared[:2]), None, dtype, device,
+                    [f"{name}.weight" for name in shared[:2]])
+        _set_linear(block.shared_expert, "down_proj", source.rows(shared[2:]), None, dtype, device,
+                    [f"{shared[2]}.weight"])
+        name = f"blk.{i}.ffn_gate_inp_shexp.weight"  # llama.cpp holds it as a vector
+        _copy(block.shared_expert_gate.weight, source.float(name).reshape(1, -1), name)
+
+
+def _set_experts(block: SparseMoeBlock, stacks: list[list[Loaded]], i: int, device: torch.device) -> None:
+    """The gate, up and down stacks (one weight per expert) as QuantizedExperts when all are quantized, else
+    (dequantized where needed) into the block's float stacks."""
+    experts, twice_inter, hidden = block.experts.w13.shape
+    wants = ((experts, twice_inter // 2, hidden),) * 2 + ((experts, hidden, twice_inter // 2),)
+    for part, loaded, want in zip(("gate", "up", "down"), stacks, wants, strict=True):
+        shape = (len(loaded), *_shape_of(loaded[0]))
+        if shape != want:
+            raise GGUFError(f"GGUF tensor 'blk.{i}.ffn_{part}_exps.weight' has shape {shape}, but the file's "
+                            f"metadata ({_EXPERT_KEYS}) gives {want}")
+    gate, up, down = stacks
+    if all(isinstance(p, QuantizedWeight) for p in (*gate, *up, *down)):
+        w13 = [QuantizedLinear(concat_rows([g, u]).to(device)) for g, u in zip(gate, up, strict=True)]
+        block.experts = QuantizedExperts(w13, [QuantizedLinear(d.to(device)) for d in down])
+        return
+    floats = [torch.stack([p if isinstance(p, torch.Tensor) else p.dequantize() for p in part]) for part in stacks]
+    block.experts.w13.data.copy_(torch.cat(floats[:2], dim=1))
+    block.experts.w2.data.copy_(floats[2])
+
+
 def _set_embeddings(model: nn.Module, source: _Source, cfg: ModelArchConfig, dtype: torch.dtype,
                     device: torch.device) -> None:
-    """The token table (quantized or not) and the lm_head: its own `output.weight`, or the tied table. Gemma's
-    model reads its table as a tensor (to scale the embeddings in its dtype): it gets the table dequantized."""
+    """The token table (quantized or not) and the lm_head: its own `output.weight`, or the tied table."""
     table = source.get("token_embd.weight")
-    if isinstance(table, QuantizedWeight) and source.gemma:
-        table = table.dequantize()
     if isinstance(table, QuantizedWeight):
         _check_shape(model.embed_tokens.weight, table, "token_embd.weight")
         table = table.to(device)
@@ -182,8 +230,12 @@ def _set_embeddings(model: nn.Module, source: _Source, cfg: ModelArchConfig, dty
         _copy(model.lm_head.weight, head, "output.weight")
 
 
+def _shape_of(tensor: Loaded) -> tuple[int, ...]:
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else (tensor.out_features, tensor.in_features)
+
+
 def _check_shape(param: torch.Tensor, tensor: Loaded, name: str) -> None:
-    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else (tensor.out_features, tensor.in_features)
+    shape = _shape_of(tensor)
     if shape != tuple(param.shape):
         raise GGUFError(f"GGUF tensor {name!r} has shape {shape}, but the file's metadata ({_SHAPE_KEYS}) gives "
                         f"{tuple(param.shape)}")

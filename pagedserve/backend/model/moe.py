@@ -1,6 +1,6 @@
 """The mixture-of-experts pieces the MoE families share: the config fields, the sparse block (router, stacked
-experts through kernels.fused_moe, an optional gated shared expert), the layer that places it, and where each
-checkpoint expert tensor goes in the stacked parameters."""
+experts through kernels.fused_moe or each expert's quantized projections, an optional gated shared expert), the
+layer that places it, and where each checkpoint expert tensor goes in the stacked parameters."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pagedserve import kernels
 from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
 from pagedserve.backend.model.family import ModelFamily, Placement
 from pagedserve.backend.model.llama import MLP, DecoderLayer
+from pagedserve.backend.model.quantized import QuantizedLinear
 
 
 @dataclass
@@ -69,6 +70,35 @@ class StackedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))  # [gate | up] rows
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, H]
+        """Each token's top-k experts (ids [T, k]) weighted and summed."""
+        return kernels.fused_moe(x, self.w13, self.w2, weights, ids)
+
+
+class QuantizedExperts(nn.Module):
+    """Every expert's [gate | up] and down projections as QuantizedLinear layers (a GGUF file's experts as stored):
+    the (token, expert) pairs sorted by expert, then one quantized GEMM pair per expert that has tokens."""
+
+    def __init__(self, w13: list[QuantizedLinear], w2: list[QuantizedLinear]):
+        super().__init__()
+        self.w13, self.w2 = nn.ModuleList(w13), nn.ModuleList(w2)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, H]
+        """As StackedExperts.forward."""
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // ids.shape[1]
+        rows = x[token]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=len(self.w13)).tolist()):
+            if count:
+                part = slice(start, start + count)
+                out[part] = self.w2[expert](kernels.silu_and_mul(self.w13[expert](rows[part])))
+                start += count
+        weighted = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, weighted)
+
 
 class SparseMoeBlock(nn.Module):
     """Router, top-k experts and, when the family has one, a shared expert scaled by a sigmoid gate."""
@@ -89,7 +119,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = kernels.topk_routing(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype)
-        out = kernels.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -1,0 +1,83 @@
+"""GGUF files of the mixture-of-experts families as llama.cpp writes them: qwen2moe (a shared expert beside the
+routed ones), qwen3moe, and Mixtral stored as `llama` with its experts; each layer's experts stacked in one 3-D
+tensor per projection (ffn_gate_exps / ffn_up_exps / ffn_down_exps), the router ffn_gate_inp kept F32. Greedy
+tokens and every prompt logprob equal transformers' on the dequantized weights, with the experts served as stored."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.model.gguf_file import GGUFError
+from pagedserve.backend.model.gguf_loader import load_gguf_model
+from pagedserve.backend.model.moe import QuantizedExperts
+from pagedserve.backend.model.quantized import QuantizedLinear
+from pagedserve.testing import make_tiny_model
+from tests.engine.test_gguf_families import q4_k_m
+from tests.support import tiny_gguf
+from tests.support.engines import cpu_engine, greedy
+
+# Every width a whole number of 256-value super-blocks; four experts, top-2.
+_WIDE = dict(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2, random_norms=True)
+FAMILIES = {
+    "mixtral": dict(config_extras={"num_local_experts": 4}),
+    "qwen2_moe": dict(config_extras={"num_experts": 4, "moe_intermediate_size": 256,
+                                     "shared_expert_intermediate_size": 256}),
+    "qwen3_moe": dict(config_extras={"num_experts": 4, "moe_intermediate_size": 256, "head_dim": 64}),
+}
+
+
+def _engine_matches_transformers(path, hf_reference) -> None:
+    engine = cpu_engine(path, num_blocks=64, block_size=4)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(5, 24))] for _ in range(6)]
+    twin = path.with_suffix(".ref")
+    outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, greedy(10))]
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == hf_reference.greedy(twin, prompt, 10)[0], prompt
+    scored = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    for prompt, out in zip(prompts, scored, strict=True):
+        got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        assert got == pytest.approx(hf_reference.prompt_logprobs(twin, prompt), rel=2e-5, abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_moe_gguf_serves_its_quantized_experts_as_stored_with_transformers_tokens(family, hf_reference, tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", family, seed=23, **{**_WIDE, **FAMILIES[family]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / f"{family}.gguf", q4_k_m)
+    model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+    block = model.layers[0].mlp
+    assert isinstance(block.experts, QuantizedExperts) and len(block.experts.w13) == 4
+    assert (block.experts.w13[0].weight.bits, block.experts.w2[0].weight.bits) == (4, 8)  # Q4_K, Q6_K as stored
+    assert type(model).__name__.lower().startswith(family.replace("_", "")[:6])
+    if family == "qwen2_moe":
+        assert isinstance(block.shared_expert.gate_up_proj, QuantizedLinear)
+    _engine_matches_transformers(path, hf_reference)
+
+
+@pytest.mark.slow
+def test_float_expert_stacks_load_into_the_fused_moe_parameters(hf_reference, tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", "qwen2_moe", seed=24, **{**_WIDE, **FAMILIES["qwen2_moe"]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "f.gguf", lambda name: None if "_exps" in name else "Q8_0")
+    model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+    assert model.layers[1].mlp.experts.w13.shape == (4, 512, 256)
+    _engine_matches_transformers(path, hf_reference)
+
+
+def test_an_expert_stack_the_metadata_contradicts_is_refused_naming_it(tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", "qwen3_moe", seed=25, **{**_WIDE, **FAMILIES["qwen3_moe"]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "odd.gguf", q4_k_m, metadata={"moe_intermediate_size": 512})
+    with pytest.raises(GGUFError, match=r"'blk\.0\.ffn_gate_exps\.weight' has shape \(4, 256, 256\), but the file's "
+                                        r"metadata \(.*expert_feed_forward_length\) gives \(4, 512, 256\)"):
+        load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+
+
+def test_a_moe_architecture_without_expert_count_is_refused_naming_the_key(tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", "qwen3_moe", seed=26, **{**_WIDE, **FAMILIES["qwen3_moe"]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "bare.gguf", q4_k_m, metadata={"num_experts": 0, "num_local_experts": 0})
+    with pytest.raises(GGUFError, match=r"lacks the metadata key qwen3moe\.expert_count"):
+        load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
