@@ -43,6 +43,7 @@ def test_chunks_after_a_long_cached_prefix_merge_two_flash_passes_exactly(dtype,
     # Chunks of several lengths after prefixes that end mid-block, beside a fresh prompt and a decode.
     lens = [(37, 337), (64, 1000), (1, 90), (23, 23), (2, 515)]
     batch = make_batch(lens, 3, 3, 64, 16, dtype=dtype)
+    monkeypatch.setenv("PAGEDSERVE_PREFILL_KERNEL", "0")  # the SDPA path (bf16 on AMX takes the native kernel)
     calls = []
     merge = attention_cpu._chunk_after_prefix
     monkeypatch.setattr(attention_cpu, "_chunk_after_prefix", lambda *a: calls.append(a[0].shape[0]) or merge(*a))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import native
-from pagedserve.kernels.attention import reference
+from pagedserve.kernels.attention import cpu_prefill, reference
 from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
 from pagedserve.kernels.native.split import RangeSplitter
 
@@ -94,6 +94,8 @@ def _prefill_chunk(
     mods: ScoreMods = NO_MODS,
 ) -> torch.Tensor:  # -> [q_len, Hq, D]
     """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches."""
+    if cpu_prefill.preferred(query, key_cache):  # the native kernel over the block table (bf16 on AMX)
+        return cpu_prefill.prefill_attention(query, key_cache, value_cache, table, seq_len, scale, mods)
     q_len, num_q_heads = query.shape[0], query.shape[1]
     group = num_q_heads // key_cache.shape[2]
     window = mods.sliding_window

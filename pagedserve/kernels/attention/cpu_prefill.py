@@ -25,7 +25,7 @@ _kernel = native.Function(
 )
 # A work item (one KV head, ~192 stacked query rows) is tens of microseconds or more: one per thread is enough.
 _split = RangeSplitter("pagedserve-prefill", min_per_thread=1)
-_ROWS_PER_ITEM = 192
+_ROWS_PER_ITEM = 384
 # PAGEDSERVE_PREFILL_KERNEL=0 keeps SDPA for every prefill chunk (A/B runs).
 ENV_SWITCH = "PAGEDSERVE_PREFILL_KERNEL"
 _amx: bool | None = None
