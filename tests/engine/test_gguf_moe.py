@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.moe import QuantizedExperts
@@ -81,3 +82,18 @@ def test_a_moe_architecture_without_expert_count_is_refused_naming_the_key(tmp_p
     path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "bare.gguf", q4_k_m, metadata={"num_experts": 0, "num_local_experts": 0})
     with pytest.raises(GGUFError, match=r"lacks the metadata key qwen3moe\.expert_count"):
         load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+
+
+def test_an_early_mixtral_file_with_one_tensor_per_expert_loads_as_the_stacked_one(tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", "mixtral", seed=27, **{**_WIDE, **FAMILIES["mixtral"]})
+    stacked = tiny_gguf.write_blocks_gguf(folder, tmp_path / "stacked.gguf", q4_k_m)
+    early = tiny_gguf.write_blocks_gguf(folder, tmp_path / "early.gguf", q4_k_m, stack_experts=False)
+    assert "blk.1.ffn_down.3.weight" in gguf_file.tensors(early)
+    x = torch.randn(5, 256)
+    weights, ids = torch.rand(5, 2), torch.tensor([[0, 1], [2, 3], [3, 0], [1, 2], [0, 3]])
+    outs = []
+    for path in (stacked, early):
+        block = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024).layers[1].mlp
+        assert isinstance(block.experts, QuantizedExperts)
+        outs.append(block.experts(x, weights, ids))
+    assert torch.equal(outs[0], outs[1])

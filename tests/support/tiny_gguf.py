@@ -130,17 +130,19 @@ def _center_affine(kind: str, raw: np.ndarray, halves: dict[int, np.ndarray]) ->
     halves[dmin_at] = halves[d_at] * _AFFINE_MIDDLE[kind]
 
 
-def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metadata: dict | None = None) -> Path:
+def write_blocks_gguf(folder: Path, out: Path, kind_of, *, seed: int = 0, metadata: dict | None = None,
+                      stack_experts: bool = True) -> Path:
     """The tiny HF model in `folder` as a GGUF of its architecture at `out` whose 2-D tensors are blocks of the type
     `kind_of(gguf_name)` gives (None: the float weight as it is), see _blocks_of; Gemma's norms stored as 1 + weight, Llama's Q/K rows permuted, as llama.cpp's converter does.
     Writes the twin checkpoint of the dequantized fp32 weights beside it (`out`.ref/); `metadata` overrides
-    config keys in the file's metadata only (to make it contradict its tensors)."""
+    config keys in the file's metadata only (to make it contradict its tensors); `stack_experts` False writes an
+    MoE's experts one tensor each (blk.N.ffn_gate.E.weight), as early Mixtral files have them."""
     config = json.loads((folder / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     tensors = load_file(str(folder / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, {**config, **(metadata or {})}, folder)
-    twin = _write_experts(writer, tensors, kind_of, seed)
+    twin = _write_experts(writer, tensors, kind_of, seed, stack_experts)
     for i, (name, tensor) in enumerate(sorted(tensors.items())):
         target = gguf_name(name, arch)
         float_only = any(f".{part}" in target for part in _FLOAT_ONLY)
@@ -168,7 +170,8 @@ _EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj"
                   "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
-def _write_experts(writer: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], kind_of, seed: int) -> dict:
+def _write_experts(writer: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], kind_of, seed: int,
+                   stack: bool) -> dict:
     """Pop the per-expert tensors from `tensors` and write each layer's projection as one stacked [experts, rows,
     cols] tensor of type `kind_of(name)`, as llama.cpp's converter stacks them; returns their dequantized twins."""
     stacks: dict[tuple[str, str], dict[int, str]] = {}
@@ -187,7 +190,11 @@ def _write_experts(writer: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], ki
         raw = np.stack([_blocks_of(kind, w, seed * 1000 + 500 + n * 64 + e) for e, w in enumerate(weights)])
         twin.update({names[e]: torch.from_numpy(gguf.quants.dequantize(r, getattr(Q, kind))) for e, r in
                      enumerate(raw)})
-        writer.add_tensor(target, raw, raw_dtype=getattr(Q, kind))
+        if stack:
+            writer.add_tensor(target, raw, raw_dtype=getattr(Q, kind))
+            continue
+        for e, expert in enumerate(raw):
+            writer.add_tensor(target.replace("_exps.", f".{e}."), expert, raw_dtype=getattr(Q, kind))
     return twin
 
 

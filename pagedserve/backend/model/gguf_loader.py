@@ -114,8 +114,12 @@ class _Source:
             loaded = loaded[rows] if isinstance(loaded, torch.Tensor) else select_rows(loaded, rows)
         return loaded
 
-    def experts(self, name: str) -> list[Loaded]:
-        """A stacked expert tensor as one weight per expert."""
+    def experts(self, layer: int, part: str, count: int) -> list[Loaded]:
+        """Layer `layer`'s `part` (gate, up, down) projection of every expert: the stacked ffn_{part}_exps, or the
+        per-expert ffn_{part}.{e} tensors of early (2023) Mixtral files."""
+        name = f"blk.{layer}.ffn_{part}_exps.weight"
+        if name not in self.tensors and f"blk.{layer}.ffn_{part}.0.weight" in self.tensors:
+            return [self.get(f"blk.{layer}.ffn_{part}.{e}.weight") for e in range(count)]
         if name not in self.tensors:
             raise GGUFError(f"GGUF file {str(self.path)!r} has no tensor {name!r}")
         self.used.add(name)
@@ -178,8 +182,8 @@ def _set_moe(block: SparseMoeBlock, source: _Source, i: int, dtype: torch.dtype,
     """Layer i's router, experts and Qwen2-MoE's shared expert with its gate."""
     router = f"blk.{i}.ffn_gate_inp"
     _set_linear(block, "gate", source.rows([router]), None, dtype, device, [f"{router}.weight"])
-    _set_experts(block, [source.experts(f"blk.{i}.ffn_{part}_exps.weight") for part in ("gate", "up", "down")], i,
-                 device)
+    count = block.experts.w13.shape[0]
+    _set_experts(block, [source.experts(i, part, count) for part in ("gate", "up", "down")], i, device)
     if block.shared_expert is not None:
         shared = [f"blk.{i}.ffn_{part}_shexp" for part in ("gate", "up", "down")]
         _set_linear(block.shared_expert, "gate_up_proj", source.rows(shared[:2]), None, dtype, device,
