@@ -12,12 +12,13 @@ import torch
 
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import gguf_file
+from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.moe import QuantizedExperts
 from pagedserve.backend.model.quantized import QuantizedLinear
 from pagedserve.testing import make_tiny_model
-from tests.engine.test_gguf_families import q4_k_m
+from tests.engine.test_gguf_families import _fields, q4_k_m
 from tests.support import tiny_gguf
 from tests.support.engines import cpu_engine, greedy
 
@@ -55,6 +56,7 @@ def test_a_moe_gguf_serves_its_quantized_experts_as_stored_with_transformers_tok
     assert isinstance(block.experts, QuantizedExperts) and len(block.experts.w13) == 4
     assert (block.experts.w13[0].weight.bits, block.experts.w2[0].weight.bits) == (4, 8)  # Q4_K, Q6_K as stored
     assert type(model).__name__.lower().startswith(family.replace("_", "")[:6])
+    assert _fields(model.config) == _fields(ModelArchConfig.from_pretrained(path.with_suffix(".ref")))
     if family == "qwen2_moe":
         assert isinstance(block.shared_expert.gate_up_proj, QuantizedLinear)
     _engine_matches_transformers(path, hf_reference)
