@@ -130,7 +130,12 @@ def make_tiny_decoder_classifier(path: str | Path, arch: str = "qwen3", *, num_l
     torch.manual_seed(seed)
     model = cls(base)
     _widen_init(model)
-    for stale in path.glob("*.safetensors*"):
-        stale.unlink()
+    for stale in [*path.glob("*.safetensors*"), path / "chat_template.jinja"]:
+        stale.unlink(missing_ok=True)
+    # Without a chat template sentence-transformers' CrossEncoder joins a pair as the tokenizer does (with one,
+    # version 6 renders the pair as chat messages).
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -14,6 +14,8 @@ from pagedserve.backend.core.kv_events import KVEventsConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("none", "int8", "int4")  # on-the-fly weight quantization (pagedserve/backend/model/quantized.py)
+# What an engine serves (vLLM's --runner): generation, pooling (embeddings, scores, classes), or on a decoder both.
+RUNNERS = ("auto", "generate", "pooling", "all")
 MAX_BLOCK_SIZE = 256
 MAX_TENSOR_PARALLEL_SIZE = 64
 
@@ -113,6 +115,9 @@ class ModelConfig:
     # ranks the model is split over (pagedserve/backend/worker/parallel.py)
     tensor_parallel_size: int = param(1, "split the model over N ranks (N - 1 worker processes; gloo on the CPU, "
                                          "NCCL on GPUs)")
+    runner: str = param("auto", "what the engine serves: generate, pooling (embed / classify / score) or all (a "
+                                "decoder generating and pooling); auto: pooling for an encoder, a classifier or a "
+                                "sentence-transformers folder, else generate", RUNNERS)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -133,6 +138,8 @@ class ModelConfig:
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"runner must be one of {RUNNERS}, got {self.runner!r}", "runner")
 
 
 MAX_LORA_RANK = 512  # vLLM's largest choice

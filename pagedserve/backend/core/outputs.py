@@ -41,6 +41,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     error_kind: ErrorKind | None = None
+    pooled: list[float] | None = None  # a pooling request's vector: embedding, class probabilities or score
 
 
 @dataclass

@@ -6,6 +6,7 @@ import enum
 import time
 
 from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.pooling_params import PoolingParams
 from pagedserve.backend.core.sampling_params import SamplingParams
 
 
@@ -62,6 +63,8 @@ class Request:
         "num_cached_tokens",
         "group_id",
         "spec_token_ids",
+        "pooling_params",
+        "whole_prompt",
     )
 
     def __init__(
@@ -74,6 +77,8 @@ class Request:
         cache_salt: str | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
+        whole_prompt: bool = False,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
@@ -98,6 +103,12 @@ class Request:
         self.group_id = group_id
         # Draft tokens proposed for the next step (speculative decoding); the scheduler takes them.
         self.spec_token_ids: list[int] = []
+        # A pooling request is prefill only (no token to sample: max_tokens 0); `whole_prompt`: its prompt runs in
+        # one step, never chunked (an encoder's bidirectional attention, a pooling over every prompt token).
+        self.pooling_params = pooling_params
+        self.whole_prompt = whole_prompt
+        if pooling_params is not None:
+            self.max_tokens = 0
 
     @property
     def num_tokens(self) -> int:

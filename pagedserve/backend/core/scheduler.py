@@ -108,9 +108,10 @@ class Scheduler:
         cfg = self.config
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", "request_id")
-        if request.num_prompt_tokens >= cfg.max_model_len:
+        pooled = request.pooling_params is not None  # prefill only: its prompt may fill max_model_len
+        if request.num_prompt_tokens >= cfg.max_model_len + pooled:
             raise InvalidRequestError(
-                f"prompt must be shorter than max_model_len ({cfg.max_model_len}) tokens, got "
+                f"prompt must be {'at most' if pooled else 'shorter than'} max_model_len ({cfg.max_model_len}) tokens, got "
                 f"{request.num_prompt_tokens}",
                 "prompt_token_ids",
             )
@@ -357,6 +358,8 @@ class Scheduler:
         bm = self.block_manager
         hits, num_hit_tokens = bm.get_computed_blocks(request)
         num_new = min(max(request.num_tokens - num_hit_tokens, 0), budget)
+        if request.whole_prompt and num_new < request.num_tokens - num_hit_tokens:
+            return None  # it waits for a step with room for all of it
         new_block_ids = bm.allocate_slots(request, num_new, hits, num_hit_tokens)
         return None if new_block_ids is None else (num_hit_tokens, num_new, new_block_ids)
 

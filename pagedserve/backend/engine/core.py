@@ -9,7 +9,9 @@ of a `RowClaimer` (the output processor's request groups) once the forward has p
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from pagedserve.backend.core.config import (
     CacheConfig,
@@ -18,7 +20,7 @@ from pagedserve.backend.core.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from pagedserve.backend.core.request import Request
+from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.kv_events import make_publisher
 from pagedserve.backend.engine.lora import scheduler_lora_args
@@ -36,12 +38,14 @@ RowClaimer = Callable[[ModelRunnerOutput], StepBatch]
 @dataclass
 class CoreStep:
     """What one executed step produced: its schedule, the rows it sampled (`batch`), and what they drew
-    (`sample`, None when no row was sampled); `tokens` is each sampled request's newest token."""
+    (`sample`, None when no row was sampled); `tokens` is each sampled request's newest token; `pooled` each
+    pooling request's vector, the request finished in the scheduler (its blocks freed)."""
 
     sched: SchedulerOutput
     batch: StepBatch
     sample: StepSample | None
     tokens: dict[str, int]
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -109,8 +113,10 @@ class EngineCore:
         for _, parent, child in batch.forks:
             self.scheduler.fork_request(parent.request_id, child)
             child.append_output_token_id(tokens[child.request_id])
+        if runner_out.pooled:  # prefill only: done once pooled, its blocks freed at once
+            self.scheduler.finish_requests(list(runner_out.pooled), RequestStatus.FINISHED_STOPPED)
         self.publish_kv_events()
-        return CoreStep(sched, batch, sample, tokens)
+        return CoreStep(sched, batch, sample, tokens, runner_out.pooled)
 
     def record_no_output(self, sched: SchedulerOutput) -> None:
         """Close a step that sampled nothing: none was scheduled, or it failed (its requests ended first)."""

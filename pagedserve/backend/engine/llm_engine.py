@@ -27,6 +27,7 @@ from pagedserve.backend.core.config import (
 )
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.outputs import EngineStats, RequestOutput
+from pagedserve.backend.core.pooling_params import PoolingParams
 from pagedserve.backend.core.request import Request
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
@@ -42,6 +43,7 @@ from pagedserve.backend.engine.input_processing import (
 )
 from pagedserve.backend.engine.lora import LoRARegistry
 from pagedserve.backend.engine.output_processor import OutputProcessor
+from pagedserve.backend.engine.pooling import PoolingSupport, run_pooling
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
 from pagedserve.backend.structured import StructuredOutputs
 from pagedserve.backend.worker.model_runner import ModelRunner
@@ -74,6 +76,8 @@ class LLMEngine:
         self.core = EngineCore(model_config, cache_config, scheduler_config, self.eos_token_ids, self.structured,
                                speculative_config, lora_config)
         self.vocab_size = self.core.vocab_size
+        self.pooling = PoolingSupport(model_config.runner, model_config.model, self.runner.pooler,
+                                      getattr(arch, "is_encoder", False), scheduler_config)
         self.lora = LoRARegistry(lora_config, self.runner.lora)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.structured,
                                       self.core.release)
@@ -139,6 +143,7 @@ class LLMEngine:
         `priority` orders it under the "priority" scheduling policy (lower first); a `timeout` in seconds
         from `arrival_time` (time.monotonic(), default now) ends it with a TIMEOUT error once it passes."""
         self._check_request_id(request_id)
+        self.pooling.check_task("generate")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
@@ -170,6 +175,29 @@ class LLMEngine:
                 self.scheduler.abort(request_id)
                 raise
         self.output.add(request_id, prompt, request, params, grammar, timeout)
+
+    def add_pooling_request(
+        self, request_id: str, prompt: str | None, params: PoolingParams | None = None,
+        prompt_token_ids: list[int] | None = None, text_pair: str | None = None, arrival_time: float | None = None,
+        priority: int = 0, timeout: float | None = None,
+    ) -> None:
+        """Validate and queue a pooling request (prefill only): a text, token ids, or a text pair (`prompt`,
+        `text_pair`) for a cross-encoder; its RequestOutput's `pooled` is the answer. Refused naming the field."""
+        self._check_request_id(request_id)
+        params = PoolingParams(task=self.pooling.default_task) if params is None else params
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError(f"params must be a PoolingParams, got {type(params).__name__}", "pooling_params")
+        _check_timeout(timeout)
+        check_priority_policy(priority, self.scheduler_config.scheduling_policy)
+        request = self.pooling.make_request(request_id, self.tokenizer, self.vocab_size, prompt, params,
+                                            prompt_token_ids, text_pair, arrival_time=arrival_time, priority=priority)
+        self.core.add_request(request)
+        self.output.add_pooling(request_id, prompt, request, self.pooling, timeout)
+
+    def encode(self, inputs: Sequence[str | list[int] | tuple[str, str]],
+               params: PoolingParams | None = None) -> list[RequestOutput]:
+        """Pool inputs (texts, token-id lists, or (text, text_pair) pairs) to completion; outputs in order."""
+        return run_pooling(self, inputs, params)
 
     def _check_request_id(self, request_id: str) -> None:
         if not isinstance(request_id, str) or not request_id:

@@ -19,6 +19,7 @@ from pagedserve.backend.core.scheduler import Scheduler, SchedulerOutput
 from pagedserve.backend.engine.beam_search import BeamGroup
 from pagedserve.backend.engine.core import CoreStep
 from pagedserve.backend.engine.detokenizer import Tokenizer
+from pagedserve.backend.engine.pooling import PoolingGroup, PoolingSupport
 from pagedserve.backend.engine.request_group import RequestGroup, SamplingGroup, SequenceState, StepBatch
 from pagedserve.backend.engine.spec_decode import Run, record_run
 from pagedserve.backend.structured import StructuredOutputs
@@ -91,6 +92,13 @@ class OutputProcessor:
                                                             params.thinking_token_budget)
             group = SamplingGroup(request_id, prompt, request, self.tokenizer, self._unused_id, new_matcher)
         self._groups[request_id] = self._owner[request_id] = group
+        if timeout is not None:
+            self._deadlines.watch(request_id, request.arrival_time + timeout, timeout)
+
+    def add_pooling(self, request_id: str, prompt: str | None, request: Request, support: PoolingSupport,
+                    timeout: float | None = None) -> None:
+        """Make the group of a queued pooling request; its vector is finished the way `support` says."""
+        self._groups[request_id] = self._owner[request_id] = PoolingGroup(request_id, prompt, request, support)
         if timeout is not None:
             self._deadlines.watch(request_id, request.arrival_time + timeout, timeout)
 
@@ -179,6 +187,11 @@ class OutputProcessor:
             self._apply_tokens(batch, step.sample.sampled, step.sample.runs)
         for beam in batch.ready_beams.values():
             self._advance_beam(beam)
+        for request_id, vector in step.pooled.items():  # the core finished them in the scheduler
+            group = self._owner[request_id]
+            group.record_pooled(vector)
+            self.prompt_tokens += group.request.num_prompt_tokens
+            self._to_report[group.request_id] = group
 
     def _apply_tokens(self, batch: StepBatch, sampled: SamplerOutput, runs: dict[str, Run]) -> None:
         """Record each sampled token and finish the sequences they stop; a run's tokens after the one that

@@ -17,6 +17,7 @@ from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
 from pagedserve.backend.worker.lora import LoRAManager, LoRAShard
 from pagedserve.backend.worker.parallel import StepPlan, TensorParallel
+from pagedserve.backend.worker.pooling import PoolSpan, StepPooler, pool_spans, token_type_ids
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class ModelRunnerOutput:
     sample_logits: torch.Tensor  # [R, V] fp32
     prompt_logits: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
     spec_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # a finished pooling request's fp32 vector
 
 
 def resolve_device(device: str) -> torch.device:
@@ -111,6 +113,10 @@ class ModelRunner:
             self.arch = self.model.config  # this rank's heads: its KV cache holds only theirs
         if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES:
             logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
+        self.pooler = StepPooler.for_model(self.model, model_config.model)
+        # An encoder keeps no K/V: its blocks are the scheduler's bookkeeping, its cache tensors empty.
+        self.keeps_kv = getattr(self.model, "uses_kv_cache", True)
+        self.takes_token_types = getattr(self.arch, "type_vocab_size", 0) > 1
         self.lora: LoRAManager | None = None
         if lora_config is not None and lora_config.enable_lora:
             # Under tensor parallelism adapters are checked against the whole model, each rank keeping its shard.
@@ -120,7 +126,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(cache_config, scheduler_config)
         if tp is not None:
             self.num_blocks = tp.agree_num_blocks(self.num_blocks)
-        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads if self.keeps_kv else 0, self.arch.head_dim)
         # Zeroed, not empty: attention reads whole blocks and masks the tail, and 0 * NaN would leak.
         self.key_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)
@@ -148,6 +154,8 @@ class ModelRunner:
         """Blocks that fit the budget: explicit count, explicit bytes, or a share of the device's memory."""
         if cache_config.num_blocks is not None:
             return cache_config.num_blocks
+        if not self.keeps_kv:  # enough for every sequence at its longest
+            return scheduler_config.max_num_seqs * -(-scheduler_config.max_model_len // self.block_size)
         if cache_config.kv_cache_memory_bytes is not None:
             budget = cache_config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -210,12 +218,14 @@ class ModelRunner:
                 self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
                                               batch.meta, batch.logit_rows,
                                               None if self.lora is None else self.lora.plan()))
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            extra = {} if batch.token_type_ids is None else {"token_type_ids": batch.token_type_ids}
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
             logits = self.model.compute_logits(hidden[batch.logit_rows])
+            pooled = self.pooler.pool(hidden, batch.pool_spans)
         num_sample = len(batch.sample_request_ids)
         prompt_logits = {rid: (start, logits[a:b]) for rid, (start, a, b) in batch.prompt_row_ranges.items()}
         spec_logits = {rid: logits[a:b] for rid, (a, b) in batch.spec_row_ranges.items()}
-        return ModelRunnerOutput(batch.sample_request_ids, logits[:num_sample], prompt_logits, spec_logits)
+        return ModelRunnerOutput(batch.sample_request_ids, logits[:num_sample], prompt_logits, spec_logits, pooled)
 
     def _prepare(self, scheduled: list[ScheduledRequest]) -> _Batch:
         """Flatten the scheduled chunks into input ids, positions and attention metadata."""
@@ -235,7 +245,7 @@ class ModelRunner:
             q_lens.append(count)
             ctx_lens.append(start + count)
             tables.append(item.block_ids)
-            if item.sample:
+            if item.sample and req.pooling_params is None:  # a pooling request's rows are pooled instead
                 sample_ids.append(req.request_id)
                 sample_rows.append(offset + count - 1)
             if req.sampling_params.prompt_logprobs is not None:
@@ -274,7 +284,14 @@ class ModelRunner:
             sample_request_ids=sample_ids,
             prompt_row_ranges=prompt_row_ranges,
             spec_row_ranges=spec_row_ranges,
+            pool_spans=pool_spans(scheduled),
+            token_type_ids=self._token_types(scheduled, offset),
         )
+
+    def _token_types(self, scheduled: list[ScheduledRequest], num_tokens: int) -> torch.Tensor | None:
+        """The step's token type ids, for a model that has token types and a text pair in the step."""
+        types = token_type_ids(scheduled, num_tokens) if self.takes_token_types else None
+        return None if types is None else types.to(self.device, non_blocking=True)
 
 
 def _logit_rows(
@@ -304,3 +321,5 @@ class _Batch:
     sample_request_ids: list[str]
     prompt_row_ranges: dict[str, tuple[int, int, int]]  # request_id -> (first_pos, row_start, row_end)
     spec_row_ranges: dict[str, tuple[int, int]]  # request_id -> (row_start, row_end)
+    pool_spans: list[PoolSpan] = field(default_factory=list)
+    token_type_ids: torch.Tensor | None = None  # [T], only for an encoder with a text pair in the step
