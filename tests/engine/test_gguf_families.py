@@ -61,12 +61,29 @@ def _fields(cfg: ModelArchConfig) -> dict:
     return fields
 
 
+def q5_k_m(name: str) -> str:
+    """Q5_K_M: Q6_K where Q4_K_M has it, Q5_K elsewhere."""
+    return "Q6_K" if q4_k_m(name) == "Q6_K" else "Q5_K"
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_family_s_gguf_gives_transformers_greedy_tokens_on_its_dequantized_weights(family, hf_reference,
                                                                                       tmp_path):
+    _family_matches_transformers(family, q4_k_m, hf_reference, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", ["Q5_K_M", "Q6_K"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_s_q5_k_m_and_q6_k_files_give_transformers_greedy_tokens(family, mix, hf_reference, tmp_path):
+    _family_matches_transformers(family, q5_k_m if mix == "Q5_K_M" else (lambda name: "Q6_K"), hf_reference,
+                                 tmp_path)
+
+
+def _family_matches_transformers(family: str, kind_of, hf_reference, tmp_path) -> None:
     arch = family.split("-")[0]
     folder = make_tiny_model(tmp_path / "hf", arch, seed=21, **{**_WIDE, **FAMILIES[family]})
-    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / f"{family}.gguf", q4_k_m)
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / f"{family}.gguf", kind_of)
     model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)
     assert type(model).__name__.lower().startswith(arch[:5])

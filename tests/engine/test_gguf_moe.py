@@ -18,7 +18,7 @@ from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.moe import QuantizedExperts
 from pagedserve.backend.model.quantized import QuantizedLinear
 from pagedserve.testing import make_tiny_model
-from tests.engine.test_gguf_families import _fields, q4_k_m
+from tests.engine.test_gguf_families import _fields, q4_k_m, q5_k_m
 from tests.support import tiny_gguf
 from tests.support.engines import cpu_engine, greedy
 
@@ -99,3 +99,15 @@ def test_an_early_mixtral_file_with_one_tensor_per_expert_loads_as_the_stacked_o
         assert isinstance(block.experts, QuantizedExperts)
         outs.append(block.experts(x, weights, ids))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", ["Q5_K_M", "Q6_K"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_moe_family_s_q5_k_m_and_q6_k_files_give_transformers_tokens(family, mix, hf_reference, tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", family, seed=23, **{**_WIDE, **FAMILIES[family]})
+    path = tiny_gguf.write_blocks_gguf(folder, tmp_path / f"{family}.gguf",
+                                      q5_k_m if mix == "Q5_K_M" else (lambda name: "Q6_K"))
+    model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
+    assert isinstance(model.layers[1].mlp.experts, QuantizedExperts)
+    _engine_matches_transformers(path, hf_reference)
