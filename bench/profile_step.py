@@ -13,6 +13,7 @@ activation, sampler, and the rest of the step (Python, scheduling, metadata, emb
 
     python bench/profile_step.py                        # bf16 and fp32, one thread
     python bench/profile_step.py --quick --dtypes bf16  # smaller shapes
+    python bench/profile_step.py --workload short --dtypes bf16  # a throughput preset's whole run, by bucket
 """
 
 from __future__ import annotations
@@ -156,13 +157,53 @@ def profile_prefill(engine, timer: StepTimer, chunk: int, context: int, vocab: i
     return {"kind": "prefill", "chunk": chunk, "context": context, "computed_tokens": tokens, **row}
 
 
+def profile_workload(engine, timer: StepTimer, name: str, vocab: int, quick: bool) -> dict:
+    """bench/throughput.py's preset run through engine.generate under the timer: time by bucket over the
+    whole run, as its own batches and chunks make it (per step: the mean over its steps)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from workloads import PRESETS, QUICK, from_preset
+
+    from pagedserve.backend.core.sampling_params import SamplingParams
+
+    workload = from_preset(QUICK if quick else PRESETS[name], vocab)
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    steps = 0
+    step = engine.step
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted_step
+    timer.totals.clear()
+    start = time.perf_counter()
+    with timer.measure():
+        engine.generate(workload.prompts, params)
+    total = time.perf_counter() - start
+    engine.step = step
+    out = {b: timer.totals.get(b, 0.0) for b in BUCKETS if b != "other"}
+    out["other"] = total - sum(out.values())
+    return {"kind": "workload", "workload": "quick" if quick else name, "steps": steps,
+            "tok_s": round(workload.num_output_tokens / total, 2), "seconds": round(total, 2),
+            "total_ms": round(1000 * total / steps, 3), **{b: round(1000 * v / steps, 3) for b, v in out.items()}}
+
+
+def _shape(r: dict) -> str:
+    if r["kind"] == "decode":
+        return f"decode B={r['batch']} L={r['context']}"
+    if r["kind"] == "prefill":
+        return f"prefill C={r['chunk']} L={r['context']}"
+    return f"{r['workload']} {r['tok_s']} tok/s"
+
+
 def print_table(rows: list[dict]) -> None:
     head = f"{'dtype':<5} {'step':<22} {'total ms':>9} " + " ".join(f"{b[:12]:>12}" for b in BUCKETS)
     print(head)
     print("-" * len(head))
     for r in rows:
-        shape = (f"decode B={r['batch']} L={r['context']}" if r["kind"] == "decode"
-                 else f"prefill C={r['chunk']} L={r['context']}")
+        shape = _shape(r)
         cells = " ".join(f"{100 * r[b] / r['total_ms']:>11.1f}%" for b in BUCKETS)
         print(f"{r['dtype']:<5} {shape:<22} {r['total_ms']:>9.2f} {cells}")
 
@@ -180,13 +221,15 @@ def main() -> None:
     parser.add_argument("--kinds", default="decode,prefill", help="comma list of decode, prefill")
     parser.add_argument("--single-pass-prefill", action="store_true",
                         help="A/B: a chunk after a prefix as one masked SDPA (the path before the two-pass merge)")
+    parser.add_argument("--workload", default=None,
+                        help="profile bench/throughput.py's preset run instead (with --quick: its --quick run)")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args()
     if args.single_pass_prefill:
         from pagedserve.kernels.attention import cpu
 
         cpu._flash_with_lse = None
-    if args.quick:
+    if args.quick and not args.workload:
         args.batches, args.contexts, args.steps = "1,4", "256,1024", 4
 
     from transformers import AutoConfig
@@ -207,6 +250,10 @@ def main() -> None:
                                            max_model_len=8192, cpu_threads=args.threads)
         timer = StepTimer()
         instrument(engine, timer)
+        if args.workload:
+            rows.append({"dtype": name, **profile_workload(engine, timer, args.workload, vocab, args.quick)})
+            engine.shutdown()
+            continue
         profile_decode(engine, timer, 1, 64, 2, vocab)  # warm-up
         kinds = args.kinds.split(",")
         for context in contexts if "decode" in kinds else []:

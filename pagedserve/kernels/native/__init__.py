@@ -28,7 +28,8 @@ SOURCES = tuple(sorted(_KERNELS.glob("*/*.cpp")))
 HEADERS = tuple(sorted(_KERNELS.glob("native/*.h")))
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 CACHE_ENV = "PAGEDSERVE_CACHE"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
+# -fopenmp links the libgomp torch already loaded (one soname): the kernels share torch's team of threads.
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno")
 # The `dtype` argument of the entry points (DType in cpu_common.h).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 

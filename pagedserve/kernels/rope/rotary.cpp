@@ -7,9 +7,16 @@
 
 #include "../native/cpu_common.h"
 
+// Full-width AVX-512 vectors where the CPU has them: these loops are compute-bound (exp, bf16 rounding).
+#pragma GCC target("prefer-vector-width=512")
+
 namespace {
 
 using pagedserve::Elem;
+
+// Tokens go to torch's OpenMP team (the library links torch's libgomp) from this many head rows: below it,
+// waking a thread costs more than the rotation.
+constexpr int64_t kParallelHeads = 1 << 10;
 
 // One head's rotation: out = [x1 cos - x2 sin, x2 cos + x1 sin], each product rounded like torch's ops.
 template <typename T>
@@ -36,15 +43,19 @@ void rotary(T* q_out, T* k_out, const T* q, const T* k, const int64_t* positions
             int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t q_stride,
             int64_t k_stride) {
   const int64_t half = head_dim / 2;
-  std::vector<float> cos(half), sin(half);
-  for (int64_t t = 0; t < tokens; ++t) {
-    load_cos_sin<T>(cos_sin + positions[t] * head_dim, cos.data(), sin.data(), half);
-    for (int64_t h = 0; h < q_heads; ++h) {
-      rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
-    }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      rotate(k_out + (t * kv_heads + h) * head_dim, k + t * k_stride + h * head_dim, cos.data(), sin.data(),
-             half);
+#pragma omp parallel if (tokens * (q_heads + kv_heads) >= kParallelHeads)
+  {
+    std::vector<float> cos(half), sin(half);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      load_cos_sin<T>(cos_sin + positions[t] * head_dim, cos.data(), sin.data(), half);
+      for (int64_t h = 0; h < q_heads; ++h) {
+        rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(k_out + (t * kv_heads + h) * head_dim, k + t * k_stride + h * head_dim, cos.data(), sin.data(),
+               half);
+      }
     }
   }
 }
@@ -57,18 +68,22 @@ void rotary_and_cache(T* q_out, const T* q, const T* k, const T* v, const int64_
                       int64_t kv_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride) {
   const int64_t half = head_dim / 2;
   const int64_t slot_size = kv_heads * head_dim;
-  std::vector<float> cos(half), sin(half);
-  for (int64_t t = 0; t < tokens; ++t) {
-    load_cos_sin<T>(cos_sin + positions[t] * head_dim, cos.data(), sin.data(), half);
-    for (int64_t h = 0; h < q_heads; ++h) {
-      rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
+#pragma omp parallel if (tokens * (q_heads + kv_heads) >= kParallelHeads)
+  {
+    std::vector<float> cos(half), sin(half);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      load_cos_sin<T>(cos_sin + positions[t] * head_dim, cos.data(), sin.data(), half);
+      for (int64_t h = 0; h < q_heads; ++h) {
+        rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
+      }
+      if (slots[t] < 0) continue;
+      T* k_slot = key_cache + slots[t] * slot_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(k_slot + h * head_dim, k + t * k_stride + h * head_dim, cos.data(), sin.data(), half);
+      }
+      std::memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, slot_size * sizeof(T));
     }
-    if (slots[t] < 0) continue;
-    T* k_slot = key_cache + slots[t] * slot_size;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      rotate(k_slot + h * head_dim, k + t * k_stride + h * head_dim, cos.data(), sin.data(), half);
-    }
-    std::memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, slot_size * sizeof(T));
   }
 }
 

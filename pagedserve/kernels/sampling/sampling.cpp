@@ -11,14 +11,27 @@
 
 #include "../native/cpu_common.h"
 
+// Full-width AVX-512 vectors where the CPU has them: these loops are compute-bound (exp, bf16 rounding).
+#pragma GCC target("prefer-vector-width=512")
+
 namespace {
 
+// The row's largest value (NaN entries skipped, as a comparison does); a plain `m = x > m ? x : m` loop stays
+// scalar (one dependent compare per entry), the simd max reduction runs on full vectors.
+float row_max_of(const float* row, int64_t vocab) {
+  float row_max = -INFINITY;
+#pragma omp simd reduction(max : row_max)
+  for (int64_t i = 0; i < vocab; ++i) row_max = row[i] > row_max ? row[i] : row_max;
+  return row_max;
+}
+
 constexpr int64_t kChunk = 256;  // running sums are kept per chunk so the search skips whole chunks
+// Rows go to torch's OpenMP team (the library links torch's libgomp); a plain copy only when it is this large.
+constexpr int64_t kParallelElements = 1 << 18;
 
 // Unnormalised probs of one row into `probs`, chunk sums into `sums`; returns the row max.
 float row_probs(const float* logits, int64_t vocab, float inv_temp, float min_p, float* probs, double* sums) {
-  float row_max = -INFINITY;
-  for (int64_t i = 0; i < vocab; ++i) row_max = logits[i] > row_max ? logits[i] : row_max;
+  const float row_max = row_max_of(logits, vocab);
   for (int64_t i = 0; i < vocab; ++i) {
     const float x = logits[i];
     const float p = pagedserve::fast_exp((x - row_max) * inv_temp);
@@ -65,41 +78,51 @@ extern "C" {
 // max / T + log(total). Returns 0, or 2 where a row has no finite logit.
 int pagedserve_sample(const float* logits, const float* inv_temps, const float* min_ps, const double* uniforms,
                       int64_t* tokens, float* lse, int64_t rows, int64_t vocab) {
-  std::vector<float> probs(vocab);
-  std::vector<double> sums((vocab + kChunk - 1) / kChunk);
   int status = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float row_max = row_probs(logits + r * vocab, vocab, inv_temps[r], min_ps[r], probs.data(), sums.data());
-    double total = 0.0;
-    for (double s : sums) total += s;
-    if (!(row_max > -INFINITY) || total <= 0.0) {
-      tokens[r] = 0;
-      lse[r] = NAN;
-      status = 2;
-      continue;
+#pragma omp parallel if (rows > 1) reduction(max : status)
+  {
+    std::vector<float> probs(vocab);
+    std::vector<double> sums((vocab + kChunk - 1) / kChunk);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float row_max = row_probs(logits + r * vocab, vocab, inv_temps[r], min_ps[r], probs.data(),
+                                      sums.data());
+      double total = 0.0;
+      for (double s : sums) total += s;
+      if (!(row_max > -INFINITY) || total <= 0.0) {
+        tokens[r] = 0;
+        lse[r] = NAN;
+        status = 2;
+        continue;
+      }
+      tokens[r] = search(probs.data(), sums.data(), vocab, uniforms[r] * total);
+      lse[r] = static_cast<float>(row_max * inv_temps[r] + std::log(total));
     }
-    tokens[r] = search(probs.data(), sums.data(), vocab, uniforms[r] * total);
-    lse[r] = static_cast<float>(row_max * inv_temps[r] + std::log(total));
   }
   return status;
 }
 
 // The log-sum-exp of each fp32 row (for greedy rows' logprobs), one exp pass per row.
 int pagedserve_logsumexp(const float* logits, float* lse, int64_t rows, int64_t vocab) {
-  std::vector<float> probs(vocab);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = logits + r * vocab;
-    float row_max = -INFINITY;
-    for (int64_t i = 0; i < vocab; ++i) row_max = row[i] > row_max ? row[i] : row_max;
-    if (!(row_max > -INFINITY)) {
-      lse[r] = row_max;
-      continue;
-    }
-    for (int64_t i = 0; i < vocab; ++i) probs[i] = row[i] == -INFINITY ? 0.f : pagedserve::fast_exp(row[i] - row_max);
-    double total = 0.0;
+#pragma omp parallel if (rows > 1)
+  {
+    std::vector<float> probs(vocab);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = logits + r * vocab;
+      const float row_max = row_max_of(row, vocab);
+      if (!(row_max > -INFINITY)) {
+        lse[r] = row_max;
+        continue;
+      }
+      for (int64_t i = 0; i < vocab; ++i) {
+        probs[i] = row[i] == -INFINITY ? 0.f : pagedserve::fast_exp(row[i] - row_max);
+      }
+      double total = 0.0;
 #pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < vocab; ++i) total += probs[i];
-    lse[r] = static_cast<float>(row_max + std::log(total));
+      for (int64_t i = 0; i < vocab; ++i) total += probs[i];
+      lse[r] = static_cast<float>(row_max + std::log(total));
+    }
   }
   return 0;
 }
@@ -107,6 +130,7 @@ int pagedserve_logsumexp(const float* logits, float* lse, int64_t rows, int64_t 
 // bf16 -> fp32 widening of n contiguous values (the logits), exact.
 int pagedserve_bf16_to_float(const void* src, float* dst, int64_t n) {
   const uint16_t* in = static_cast<const uint16_t*>(src);
+#pragma omp parallel for simd schedule(static) if (n >= kParallelElements)
   for (int64_t i = 0; i < n; ++i) dst[i] = pagedserve::bf16_to_float(in[i]);
   return 0;
 }
