@@ -206,7 +206,8 @@ def test_from_pretrained_takes_every_parameter_into_its_config():
                "tensor_parallel_size": 2, "runner": "pooling", "block_size": 32, "num_blocks": 9, "kv_cache_memory_bytes": 4096,
                "gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "max_num_seqs": 4,
                "max_num_batched_tokens": 64, "max_model_len": 128, "max_num_waiting": 5,
-               "scheduling_policy": "priority", "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+               "scheduling_policy": "priority", "max_num_encoder_input_tokens": 16,
+               "encoder_cache_size": 64, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
                "max_cpu_loras": 3, "kv_events_config": {"enable_kv_cache_events": True}}
     assert set(options) == set(CONFIG_FIELDS[ModelConfig] + CONFIG_FIELDS[CacheConfig]
                                + CONFIG_FIELDS[SchedulerConfig] + CONFIG_FIELDS[LoRAConfig])

@@ -13,6 +13,7 @@ from pagedserve.backend.core.kv_events import (
     KVEvent,
     external_hash,
 )
+from pagedserve.backend.core.multimodal import block_images_key
 from pagedserve.backend.core.request import Request
 
 
@@ -340,6 +341,9 @@ class BlockManager:
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else None
             salt = first_block_key(request) if i == 0 else None
+            if request.mm_inputs:
+                images = block_images_key(request.mm_inputs, i * bs, (i + 1) * bs)
+                salt = salt if images is None else f"{salt or ''}|{images}"
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], salt))
 
 

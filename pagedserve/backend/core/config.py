@@ -88,12 +88,31 @@ class SchedulerConfig:
     max_num_waiting: int = param(4096, "requests that may wait beyond the free running slots before UNAVAILABLE")
     scheduling_policy: str = param("fcfs", "fcfs: arrival order; priority: each request's priority, lower first",
                                    SCHEDULING_POLICIES)
+    max_num_encoder_input_tokens: int | None = param(
+        None, "encoder budget of one step: image embedding rows encoded (default: max_num_batched_tokens; a "
+        "step's first image is encoded even past it)")
+    encoder_cache_size: int | None = param(
+        None, "image embedding rows kept between steps, for images not yet prefilled and repeated ones "
+        "(default: 4 x the encoder budget, at least 8192)")
+
+    @property
+    def encoder_budget(self) -> int:
+        """Image embedding rows one step encodes."""
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
+
+    @property
+    def encoder_cache_rows(self) -> int:
+        """Image embedding rows the encoder cache holds."""
+        return self.encoder_cache_size or max(4 * self.encoder_budget, 8192)
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 1)
         _check_int("max_num_waiting", self.max_num_waiting, 1)
+        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",

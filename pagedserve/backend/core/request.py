@@ -6,6 +6,7 @@ import enum
 import time
 
 from pagedserve.backend.core.errors import InvalidRequestError
+from pagedserve.backend.core.multimodal import ImageInput
 from pagedserve.backend.core.pooling_params import PoolingParams
 from pagedserve.backend.core.sampling_params import SamplingParams
 
@@ -63,6 +64,7 @@ class Request:
         "num_cached_tokens",
         "group_id",
         "spec_token_ids",
+        "mm_inputs",
         "pooling_params",
         "whole_prompt",
     )
@@ -77,6 +79,7 @@ class Request:
         cache_salt: str | None = None,
         group_id: str | None = None,
         priority: int = 0,
+        mm_inputs: tuple[ImageInput, ...] = (),
         pooling_params: PoolingParams | None = None,
         whole_prompt: bool = False,
     ) -> None:
@@ -103,6 +106,8 @@ class Request:
         self.group_id = group_id
         # Draft tokens proposed for the next step (speculative decoding); the scheduler takes them.
         self.spec_token_ids: list[int] = []
+        # The prompt's images in position order (core/multimodal.py); () for a text-only prompt.
+        self.mm_inputs = mm_inputs
         # A pooling request is prefill only (no token to sample: max_tokens 0); `whole_prompt`: its prompt runs in
         # one step, never chunked (an encoder's bidirectional attention, a pooling over every prompt token).
         self.pooling_params = pooling_params

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pagedserve.backend.core.block_manager import BlockManager
 from pagedserve.backend.core.config import CacheConfig, SchedulerConfig
 from pagedserve.backend.core.errors import InvalidRequestError, ServerBusyError
+from pagedserve.backend.core.multimodal import ImageInput, StepEncoderCache
 from pagedserve.backend.core.request import Request, RequestStatus
 from pagedserve.backend.core.request_queue import FCFSQueue, PriorityQueue, priority_key
 
@@ -45,6 +46,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
+    # Images the runner encodes before this step's forward; encoder-cache entries it drops (core/multimodal.py).
+    encoder_inputs: list[ImageInput] = field(default_factory=list)
+    evicted_images: list[str] = field(default_factory=list)
 
 
 class Scheduler:
@@ -80,6 +84,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        self.encoder_cache = StepEncoderCache(scheduler_config.encoder_cache_rows, scheduler_config.encoder_budget)
 
     @property
     def num_running(self) -> int:
@@ -161,11 +166,13 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         self.running = [r for r in self.running if r.status == _RUNNING]
+        self.encoder_cache.start_step()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_ids:
             budget = self._schedule_waiting(out, budget)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         out.block_copies = self.block_manager.take_block_copies()
+        out.encoder_inputs, out.evicted_images = self.encoder_cache.take_step()
         return out
 
     def update_from_output(
@@ -186,6 +193,8 @@ class Scheduler:
             if sched.spec_token_ids:
                 num_rejected = self._accept_drafts(sched, (num_accepted or {}).get(request.request_id, 0))
             after = request.num_computed_tokens = before + sched.num_scheduled_tokens - num_rejected
+            if request.mm_inputs:
+                self.encoder_cache.release_computed(request.request_id, request.mm_inputs, after)
             if sched.sample:
                 token = sampled.get(request.request_id)
                 if token is not None:
@@ -216,6 +225,7 @@ class Scheduler:
         computed = parent.num_computed_tokens
         child.prompt_token_ids = list(parent.prompt_token_ids)
         child.num_prompt_tokens = parent.num_prompt_tokens
+        child.mm_inputs = parent.mm_inputs  # a preempted child recomputes the prompt, images included
         child.all_token_ids = parent.all_token_ids[: max(computed, parent.num_prompt_tokens)]
         child.output_token_ids = child.all_token_ids[parent.num_prompt_tokens :]
         child.num_computed_tokens = computed
@@ -243,6 +253,7 @@ class Scheduler:
                 self._num_waiting -= 1
             request.status = status
             self.block_manager.free(request)
+            self.encoder_cache.release(request_id)
             self._finished_ids.append(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -262,6 +273,8 @@ class Scheduler:
             num_new = len(request.all_token_ids) - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
+            if request.mm_inputs:
+                num_new = self.encoder_cache.plan(request.mm_inputs, request.num_computed_tokens, num_new)
             if num_new <= 0:
                 index += 1
                 continue
@@ -279,6 +292,8 @@ class Scheduler:
                 new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
+            if request.mm_inputs:
+                self.encoder_cache.commit(request.request_id, request.mm_inputs, request.num_computed_tokens)
             self._add_scheduled(out, request, num_new, new_block_ids, spec)
             budget -= num_new + len(spec)
             index += 1
@@ -358,10 +373,16 @@ class Scheduler:
         bm = self.block_manager
         hits, num_hit_tokens = bm.get_computed_blocks(request)
         num_new = min(max(request.num_tokens - num_hit_tokens, 0), budget)
+        if request.mm_inputs:
+            num_new = self.encoder_cache.plan(request.mm_inputs, num_hit_tokens, num_new)
         if request.whole_prompt and num_new < request.num_tokens - num_hit_tokens:
             return None  # it waits for a step with room for all of it
         new_block_ids = bm.allocate_slots(request, num_new, hits, num_hit_tokens)
-        return None if new_block_ids is None else (num_hit_tokens, num_new, new_block_ids)
+        if new_block_ids is None:
+            return None
+        if request.mm_inputs:
+            self.encoder_cache.commit(request.request_id, request.mm_inputs, num_hit_tokens)
+        return num_hit_tokens, num_new, new_block_ids
 
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> int | None:
         """Priority policy: the last running request gives way to a waiting one of a strictly higher
@@ -404,6 +425,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute-style preemption: free everything, keep the tokens, rejoin the queue (FCFS: its front)."""
         self.block_manager.free(request)
+        self.encoder_cache.release(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.add_preempted(request)

@@ -42,6 +42,7 @@ from pagedserve.backend.engine.input_processing import (
     truncate_prompt,
 )
 from pagedserve.backend.engine.lora import LoRARegistry
+from pagedserve.backend.engine.multimodal import ImageProcessor, ProcessedPrompt, prompt_with_images
 from pagedserve.backend.engine.output_processor import OutputProcessor
 from pagedserve.backend.engine.pooling import PoolingSupport, run_pooling
 from pagedserve.backend.model import ModelArchConfig, load_eos_token_ids, load_tokenizer
@@ -71,6 +72,9 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         arch = ModelArchConfig.from_pretrained(model_config.model)  # a missing or unsupported model fails first
         self.tokenizer = load_tokenizer(model_config.model)
+        # A vision-language model's processor (engine/multimodal.py); None for a text-only model.
+        image_token_id = getattr(arch, "image_token_id", None)
+        self.image_processor = None if image_token_id is None else ImageProcessor(model_config.model, image_token_id)
         self.eos_token_ids: set[int] = load_eos_token_ids(model_config.model, arch, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.core = EngineCore(model_config, cache_config, scheduler_config, self.eos_token_ids, self.structured,
@@ -135,13 +139,16 @@ class LLMEngine:
         add_special_tokens: bool = True,
         priority: int = 0,
         timeout: float | None = None,
+        images: Sequence[Any] | ProcessedPrompt | None = None,
     ) -> None:
         """Validate and queue a request; bad input raises InvalidRequestError naming the field.
 
         `add_special_tokens=False` tokenizes a text prompt without the tokenizer's own special tokens (a BOS):
         for a prompt rendered from a chat template, which has them already (as vLLM's chat API does).
         `priority` orders it under the "priority" scheduling policy (lower first); a `timeout` in seconds
-        from `arrival_time` (time.monotonic(), default now) ends it with a TIMEOUT error once it passes."""
+        from `arrival_time` (time.monotonic(), default now) ends it with a TIMEOUT error once it passes.
+        `images` (image file bytes or PIL images, or `image_processor.process_async`'s result) go with a text
+        prompt that holds the model's placeholders, one an image."""
         self._check_request_id(request_id)
         self.pooling.check_task("generate")
         params = SamplingParams() if params is None else params
@@ -149,8 +156,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"params must be a SamplingParams, got {type(params).__name__}", "sampling_parameters"
             )
-        token_ids = resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids,
-                                     add_special_tokens)
+        token_ids, mm_inputs = self._prompt(prompt, prompt_token_ids, add_special_tokens, images, params)
         check_params(params, self.scheduler_config.max_num_seqs)
         self.lora.resolve(params)
         _check_timeout(timeout)
@@ -165,7 +171,7 @@ class LLMEngine:
             salt = f"prompt-logprobs-{uuid.uuid4().hex}"
         request = Request(
             request_id, token_ids, params, arrival_time=arrival_time, cache_salt=salt, group_id=request_id,
-            priority=priority,
+            priority=priority, mm_inputs=mm_inputs,
         )
         self.core.add_request(request)
         if params.beam_width > 1:
@@ -198,6 +204,15 @@ class LLMEngine:
                params: PoolingParams | None = None) -> list[RequestOutput]:
         """Pool inputs (texts, token-id lists, or (text, text_pair) pairs) to completion; outputs in order."""
         return run_pooling(self, inputs, params)
+
+    def _prompt(self, prompt: str | None, prompt_token_ids: list[int] | None, add_special_tokens: bool,
+                images: Sequence[Any] | ProcessedPrompt | None, params: SamplingParams) -> tuple[list[int], tuple]:
+        """The prompt's token ids and its images (core ImageInputs, placeholders expanded in the ids)."""
+        if images is None:
+            return resolve_prompt(self.tokenizer, self.vocab_size, prompt, prompt_token_ids, add_special_tokens), ()
+        processed = prompt_with_images(self.image_processor, prompt, images, add_special_tokens, params,
+                                       self.scheduler_config, self.core)
+        return processed.token_ids, processed.images
 
     def _check_request_id(self, request_id: str) -> None:
         if not isinstance(request_id, str) or not request_id:

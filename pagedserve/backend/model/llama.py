@@ -197,9 +197,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, H]: given by a VLM's runner, image rows in place
     ) -> torch.Tensor:  # -> final hidden states [T, H]
         """Run every layer over the step's flat tokens, writing their K/V into the cache."""
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache, meta)

@@ -92,12 +92,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def encode_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's embeddings [its tokens, hidden], in one batch through the tower; an image is its
         processor's outputs (pixel_values [1, C, S, S])."""
-        pixels = torch.cat([image["pixel_values"] for image in images]).to(self.lm_head.weight.device)
+        table = self.embed_tokens.weight  # (linears may be prepacked: the embedding table names device and dtype)
+        pixels = torch.cat([image["pixel_values"] for image in images]).to(table.device)
         states = self.vision_tower.hidden_states(pixels)
         features = torch.cat([states[i] for i in self.feature_indices], dim=-1)
         if self.drop_class_token:
             features = features[:, 1:]
-        return list(self.multi_modal_projector(features).to(self.lm_head.weight.dtype))
+        return list(self.multi_modal_projector(features).to(table.dtype))
 
 
 # Checkpoint prefixes (transformers 4's hub layout and 5's module names) -> ours.

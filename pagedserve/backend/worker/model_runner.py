@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_mod
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
 from pagedserve.backend.worker.lora import LoRAManager, LoRAShard
+from pagedserve.backend.worker.multimodal import EncoderRunner
 from pagedserve.backend.worker.parallel import StepPlan, TensorParallel
 from pagedserve.backend.worker.pooling import PoolSpan, StepPooler, pool_spans, token_type_ids
 
@@ -144,6 +146,11 @@ class ModelRunner:
             self.dtype,
         )
 
+    @functools.cached_property
+    def encoder(self) -> EncoderRunner | None:
+        """A vision-language model's encoder pass and embedding cache (worker/multimodal.py); None otherwise."""
+        return EncoderRunner(self.model) if hasattr(self.model, "encode_images") else None
+
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes across all layers, K and V."""
@@ -214,11 +221,17 @@ class ModelRunner:
             if self.lora is not None:  # rows of one adapter together: each kernel call takes them as a slice
                 scheduled = self.lora.prepare(scheduled)
             batch = self._prepare(scheduled)
+            embeds = None
+            if self.encoder is not None:  # the step's new images encoded; their rows replace the placeholders'
+                self.encoder.encode(scheduler_output)
+                embeds = self.encoder.inputs_embeds(scheduled, batch.input_ids)
             if self.tp is not None:
                 self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
                                               batch.meta, batch.logit_rows,
                                               None if self.lora is None else self.lora.plan()))
             extra = {} if batch.token_type_ids is None else {"token_type_ids": batch.token_type_ids}
+            if embeds is not None:
+                extra["inputs_embeds"] = embeds
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
             logits = self.model.compute_logits(hidden[batch.logit_rows])
             pooled = self.pooler.pool(hidden, batch.pool_spans)
