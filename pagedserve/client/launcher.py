@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.backend.model.default_model import DEFAULT_MODEL_FORMS, MODEL_NAME, default_model_path
+from pagedserve.client import fleet
 from pagedserve.client.engine_flags import add_engine_arguments, engine_flag_parameters
 from pagedserve.client.lora_options import add_lora_arguments, lora_modules, lora_parameters, lora_shim_flags
 from pagedserve.client.metrics_text import fetch_metrics, instance_metrics, model_metric  # noqa: F401 - callers' names
@@ -429,6 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
     add_engine_arguments(parser.add_argument_group("engine parameters (the llm model's config.pbtxt parameters)"))
     add_lora_arguments(parser)
+    fleet.add_arguments(parser)
 
 
 def llm_instances(args: argparse.Namespace) -> tuple[int, str | None] | None:
@@ -454,6 +456,9 @@ def run(args: argparse.Namespace) -> int:
     params.update(lora_parameters(args))
     model, naming = served_model(args)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    fleet.check_arguments(args)
+    if args.data_parallel_size > 1:
+        return fleet.run(args, params, model, naming)
     with tempfile.TemporaryDirectory(prefix="pagedserve-serve-") as tmp:
         work_dir = Path(tmp)
         repository = prepare_model_repository(args.model_repository, work_dir / "models", model, params,

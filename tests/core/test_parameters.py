@@ -208,7 +208,8 @@ def test_from_pretrained_takes_every_parameter_into_its_config():
                "max_num_batched_tokens": 64, "max_model_len": 128, "max_num_waiting": 5,
                "scheduling_policy": "priority", "max_num_encoder_input_tokens": 16,
                "encoder_cache_size": 64, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
-               "max_cpu_loras": 3, "kv_events_config": {"enable_kv_cache_events": True}}
+               "max_cpu_loras": 3, "kv_events_config": {"enable_kv_cache_events": True},
+               "data_parallel_rank": 1}
     assert set(options) == set(CONFIG_FIELDS[ModelConfig] + CONFIG_FIELDS[CacheConfig]
                                + CONFIG_FIELDS[SchedulerConfig] + CONFIG_FIELDS[LoRAConfig])
     args = engine_args("/m", {**options, "speculative_config": '{"num_speculative_tokens": 2}',

@@ -187,7 +187,8 @@ def test_metrics_page_carries_the_vllm_names(triton_server):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
-        assert f'{name}{{instance="llm_0_0",model="llm"' in text, name  # one instance: llm_0_0
+        # one instance, llm_0_0, of data-parallel rank 0 (vLLM's engine label)
+        assert f'{name}{{engine="0",instance="llm_0_0",model="llm"' in text, name
     for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                  "vllm:e2e_request_latency_seconds"):
         assert triton_server.metric(f"{name}_count") >= 1, name

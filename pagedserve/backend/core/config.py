@@ -134,6 +134,8 @@ class ModelConfig:
     # ranks the model is split over (pagedserve/backend/worker/parallel.py)
     tensor_parallel_size: int = param(1, "split the model over N ranks (N - 1 worker processes; gloo on the CPU, "
                                          "NCCL on GPUs)")
+    data_parallel_rank: int = param(0, "this engine's rank among data-parallel replicas (vLLM's): its metrics' engine "
+                                       "label, its KV events' rank and port offset (serve --data-parallel-size sets it)")
     runner: str = param("auto", "what the engine serves: generate, pooling (embed / classify / score) or all (a "
                                 "decoder generating and pooling); auto: pooling for an encoder, a classifier or a "
                                 "sentence-transformers folder, else generate", RUNNERS)
@@ -157,6 +159,7 @@ class ModelConfig:
         if self.cpu_threads is not None:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
+        _check_int("data_parallel_rank", self.data_parallel_rank, 0, 1023)
         if self.runner not in RUNNERS:
             raise ConfigError(f"runner must be one of {RUNNERS}, got {self.runner!r}", "runner")
 

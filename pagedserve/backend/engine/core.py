@@ -70,7 +70,7 @@ class EngineCore:
         self.sampler = Sampler(eos_token_ids)
         self.structured = structured
         self.speculator = make_speculator(speculative_config, self)
-        self.kv_events = make_publisher(cache_config.kv_events)
+        self.kv_events = make_publisher(cache_config.kv_events, model_config.data_parallel_rank)
         if self.kv_events is not None:
             self.scheduler.block_manager.record_events()
 

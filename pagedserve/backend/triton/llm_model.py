@@ -77,7 +77,8 @@ class TritonPythonModel:
         self._model_name = args["model_name"]
         self._finalizing = False
         self._outbox = Outbox(settings.response_threads)
-        self._metrics = metrics = EngineMetrics(args["model_name"], args["model_version"], instance.name)
+        self._metrics = metrics = EngineMetrics(args["model_name"], args["model_version"], instance.name,
+                                                str(self._engine_kwargs.get("data_parallel_rank", 0)))
         self._responders = [ResponseThread(shard, self._outbox, metrics, TritonResponses(), pb_utils.Logger)
                             for shard in range(settings.response_threads)]
         self._loop: EngineLoop | None = None

@@ -53,8 +53,9 @@ class EngineMetrics:
     stats. Every change is a round trip to the server that holds the GIL, so unchanged values are not resent.
     """
 
-    def __init__(self, model_name: str, model_version: str, instance_name: str):
-        labels = {"model": model_name, "version": model_version, "instance": instance_name}
+    def __init__(self, model_name: str, model_version: str, instance_name: str, engine: str = "0"):
+        # engine: the data-parallel rank, vLLM's label that tells a fleet's replicas apart on a dashboard.
+        labels = {"model": model_name, "version": model_version, "instance": instance_name, "engine": engine}
         self._families = []
         self._counters: dict[str, Any] = {}
         self._gauges: dict[str, Any] = {}
