@@ -277,6 +277,32 @@ def copy_with_tool_template(source: str | Path, target: str | Path) -> Path:
     return target
 
 
+# TOOL_CHAT_TEMPLATE with a Qwen3-shaped generation prompt: `enable_thinking` false closes an empty thinking
+# block in the prompt (the model answers at once), `thinking` true opens one (DeepSeek-R1's and V3.1's way);
+# otherwise the model may open it itself. A past assistant turn keeps only what follows its `</think>`.
+THINK_CHAT_TEMPLATE = TOOL_CHAT_TEMPLATE.replace(
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+    "{%- set shown = message.content.split('</think>')[-1].lstrip('\\n') if message.role == 'assistant' "
+    "else message.content %}{{- '<|im_start|>' + message.role + '\\n' + shown + '<|im_end|>\\n' }}",
+).replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif thinking is defined and thinking %}{{- '<think>\\n' }}{%- endif %}{%- endif %}",
+)
+
+
+def copy_with_think_template(source: str | Path, target: str | Path) -> Path:
+    """Copy a tiny model folder, giving it THINK_CHAT_TEMPLATE (tools rendered, `<think>` in the prompt)."""
+    target = copy_with_tool_template(source, target)
+    (target / "chat_template.jinja").write_text(THINK_CHAT_TEMPLATE)
+    config_file = target / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = THINK_CHAT_TEMPLATE
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return target
+
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

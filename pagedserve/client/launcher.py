@@ -302,6 +302,8 @@ def _tool_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--tool-call-parser", args.tool_call_parser]
     if args.exclude_tools_when_tool_choice_none:
         flags.append("--exclude-tools-when-tool-choice-none")
+    if args.reasoning_parser:
+        flags += ["--reasoning-parser", args.reasoning_parser]
     return flags
 
 
@@ -418,6 +420,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's tool-call format: hermes, llama3_json, mistral or pythonic")
     parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help='the shim keeps the tools from the chat template when tool_choice is "none"')
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="the shim splits the model's thinking from its answer: qwen3, deepseek_r1, ...")
     parser.add_argument(
         "--param",
         action="append",

@@ -36,6 +36,7 @@ CHAT_FIELDS = _COMMON_FIELDS | set(SAMPLING_FIELDS) | {
     "messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools",
     "tool_choice", "parallel_tool_calls", "functions", "function_call", "metadata", "store",
     "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "echo",
+    "include_reasoning", "thinking_token_budget", "reasoning_effort",  # reasoning/fields.py
 }
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 

@@ -11,6 +11,7 @@ from pagedserve.client.openai.lora import (
     LoRASettings,
     runtime_updates_from_env,
 )
+from pagedserve.client.openai.reasoning import REASONING_PARSERS
 from pagedserve.client.openai.shim import DEFAULT_MAX_BODY_BYTES, ShimSettings
 from pagedserve.client.openai.tool_parsers import TOOL_PARSERS
 from pagedserve.client.openai.tools import ToolSettings
@@ -35,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--log-level", default="warning")
     add_tool_arguments(parser)
+    parser.add_argument("--responses-store-size", type=int, default=1024, metavar="N",
+                        help="/v1/responses keeps at most N stored responses (the oldest is evicted)")
+    parser.add_argument("--responses-store-max-age", type=float, default=3600.0, metavar="SECONDS",
+                        help="/v1/responses forgets a stored response after SECONDS")
     parser.add_argument(RUNTIME_UPDATES_FLAG, action="store_true", default=runtime_updates_from_env(),
                         help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
                              f"${RUNTIME_UPDATES_ENV}, as vLLM reads it)")
@@ -51,6 +56,9 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's tool-call format: hermes (Qwen2.5, Hermes), llama3_json, mistral, pythonic")
     parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help='do not show the tools to the chat template when tool_choice is "none"')
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="split the model's thinking from its answer (reasoning / reasoning_content): "
+                             + ", ".join(sorted(REASONING_PARSERS)))
 
 
 def tool_settings(args: argparse.Namespace) -> ToolSettings:
@@ -76,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         tools=tool_settings(args),
         lora=LoRASettings(args.enable_lora_runtime_updates, args.lora_separator or None),
+        reasoning_parser=args.reasoning_parser,
+        responses_store_size=args.responses_store_size,
+        responses_store_max_age_s=args.responses_store_max_age,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -23,6 +23,8 @@ from pagedserve.client.openai.fields import (
     SAMPLING_FIELDS,
     STRUCTURED_FIELDS,
 )
+from pagedserve.client.openai.reasoning.choice import ReasoningRequest
+from pagedserve.client.openai.reasoning.fields import ReasoningFields, parse_reasoning_fields
 from pagedserve.client.openai.tools import (
     MESSAGE_KEYS,
     ToolChoice,
@@ -61,6 +63,8 @@ class GenerationRequest:
     add_special_tokens: bool = True
     # Engine fields this request sent under another OpenAI name, for its refusals' `param`.
     param_renames: dict[str, str] = field(default_factory=dict)
+    # Stream from the llm model even for a whole reply: per-step token counts (a reasoning's token count).
+    stream_upstream: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -88,6 +92,8 @@ class ChatRequest(GenerationRequest):
     messages: list[dict] = field(default_factory=list)
     tools: ToolChoice | None = None  # tools, tool_choice and parallel_tool_calls
     options: ChatOptions = field(default_factory=ChatOptions)
+    reasoning_fields: ReasoningFields = field(default_factory=ReasoningFields)
+    reasoning: ReasoningRequest | None = None  # the split of thinking from answer, once the prompt is rendered
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:
@@ -150,7 +156,10 @@ def parse_chat_request(body: dict) -> ChatRequest:
     constrain(tools, sampling, renames)
     request = ChatRequest(model, [], sampling, stream, stream_options, logprobs,
                           _add_special_tokens(body, default=False), param_renames=renames, messages=messages,
-                          tools=tools, options=parse_chat_options(body, messages))
+                          tools=tools, options=parse_chat_options(body, messages),
+                          reasoning_fields=parse_reasoning_fields(body))
+    if request.reasoning_fields.effort is not None:  # for templates that read it (gpt-oss's)
+        request.options.template_kwargs.setdefault("reasoning_effort", request.reasoning_fields.effort)
     _validate_sampling(request)
     return request
 

@@ -7,6 +7,9 @@ from pagedserve.client.openai.chat_options import echoed_text
 from pagedserve.client.openai.formats import chat_logprobs
 from pagedserve.client.openai.generation import ChoiceState, Generation, SequenceUpdate
 from pagedserve.client.openai.protocol import ChatRequest, parse_chat_request
+from pagedserve.client.openai.reasoning import Split
+from pagedserve.client.openai.reasoning.choice import ChoiceReasoning
+from pagedserve.client.openai.reasoning.fields import reasoning_request
 from pagedserve.client.openai.shim import OpenAIShim
 from pagedserve.client.openai.tools import (
     ChoiceTools,
@@ -15,6 +18,7 @@ from pagedserve.client.openai.tools import (
     output_parser,
     template_tools,
 )
+from pagedserve.client.triton_client import LLMResponse
 
 
 class ChatGeneration(Generation):
@@ -31,15 +35,40 @@ class ChatGeneration(Generation):
         # Each choice's tool calls, read from its text; None: the text is the content.
         self._tools = [None if parser is None else ChoiceTools(parser, request.tools.parallel_tool_calls)
                        for _ in self.choices]
+        # Each choice's thinking apart from its answer (None: no reasoning parser); the split of its newest text.
+        self._reasoning = [None if request.reasoning is None else ChoiceReasoning(request.reasoning)
+                           for _ in self.choices]
+        self._splits: dict[int, Split] = {}
 
     @classmethod
     async def llm_prompts(cls, shim: OpenAIShim, request: ChatRequest) -> list[str | list[int]]:
         check_served(request.tools, shim.settings.tools)
         tools = template_tools(request.tools, shim.settings.tools)
         options = request.options
-        return [(await shim.chat_template()).render(
+        prompt = (await shim.chat_template()).render(
             request.messages, options.add_generation_prompt, tools=tools,
-            continue_final_message=options.continue_final_message, **options.template_kwargs)]
+            continue_final_message=options.continue_final_message, **options.template_kwargs)
+        parser = shim.reasoning_parser
+        end_ids = [] if parser is None else await shim.reasoning_end_ids(parser)
+        request.reasoning = reasoning_request(parser, request.reasoning_fields, prompt, request.sampling, end_ids)
+        request.stream_upstream = request.reasoning is not None  # per-step counts: the reasoning's tokens
+        return [prompt]
+
+    def usage(self) -> dict:
+        usage = super().usage()
+        if self.request.reasoning is not None:
+            tokens = sum(r.reasoning_tokens for r in self._reasoning if r is not None)
+            usage["completion_tokens_details"] = {"reasoning_tokens": tokens}
+        return usage
+
+    def _absorb(self, prompt_index: int, response: LLMResponse) -> list[SequenceUpdate]:
+        updates = super()._absorb(prompt_index, response)
+        for update in updates:
+            reasoning = self._reasoning[update.index]
+            if reasoning is not None:
+                count = self.choices[update.index].num_output_tokens
+                self._splits[update.index] = reasoning.absorb(update.text, update.finish is not None, count)
+        return updates
 
     def _opening_chunks(self) -> list[dict]:
         chunks = [self._chunk(_delta_choice(index, {"role": "assistant", "content": ""}, None, None))
@@ -53,8 +82,12 @@ class ChatGeneration(Generation):
         return chunks
 
     def _choice(self, index: int, state: ChoiceState) -> dict:
-        text = echoed_text(self.request.options, self.request.messages) + state.text
+        reasoning = self._reasoning[index]
+        answer = state.text if reasoning is None else reasoning.content
+        text = echoed_text(self.request.options, self.request.messages) + answer
         message = {"role": "assistant", "content": text, "refusal": None}
+        if reasoning is not None:
+            message.update(reasoning.message_fields())
         tools, finish = self._tools[index], state.finish_reason
         if tools is not None:
             message["content"], calls = tools.message(text)
@@ -64,6 +97,21 @@ class ChatGeneration(Generation):
                 "finish_reason": finish}
 
     def _delta_chunks(self, update: SequenceUpdate) -> list[dict]:
+        """The reasoning delta (logprobs on it) then the answer's deltas of one update."""
+        reasoning = self._reasoning[update.index]
+        if reasoning is None:
+            return self._answer_chunks(update)
+        split = self._splits.pop(update.index, Split())
+        answer = update._replace(text=split.content)
+        fields = reasoning.delta_fields(split)
+        if not fields:
+            return self._answer_chunks(answer) if answer.text or answer.entries or answer.finish else []
+        chunks = [self._chunk(_delta_choice(update.index, fields, self._logprobs(update.entries), None))]
+        if answer.text or answer.finish is not None:
+            chunks += self._answer_chunks(answer._replace(entries=[]))
+        return chunks
+
+    def _answer_chunks(self, update: SequenceUpdate) -> list[dict]:
         if self._tools[update.index] is not None:
             return self._tool_delta_chunks(update, self._tools[update.index])
         delta = {"content": update.text} if update.text else {}

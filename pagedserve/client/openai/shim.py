@@ -15,6 +15,7 @@ from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError, bad_request
 from pagedserve.client.openai.lora import AdapterRegistry, LoRASettings
 from pagedserve.client.openai.protocol import GenerationRequest
+from pagedserve.client.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from pagedserve.client.openai.tools import ToolSettings
 from pagedserve.client.triton_client import LLMResponse, TritonLLMClient, TritonUnavailableError
 
@@ -34,6 +35,10 @@ class ShimSettings:
     aliases: tuple[str, ...] = ()  # more names the model answers to (vLLM's several --served-model-name)
     tools: ToolSettings = field(default_factory=ToolSettings)
     lora: LoRASettings = field(default_factory=LoRASettings)
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser name (reasoning/REASONING_PARSERS)
+    # The Responses API's store: at most this many responses, each kept this many seconds (oldest evicted).
+    responses_store_size: int = 1024
+    responses_store_max_age_s: float = 3600.0
 
 
 class OpenAIShim:
@@ -95,6 +100,16 @@ class OpenAIShim:
             self._tokenizer = Tokenizer.from_file(str(await self.model_dir() / "tokenizer.json"))
         return self._tokenizer
 
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        """The --reasoning-parser's parser (None: the reasoning stays in the content)."""
+        name = self.settings.reasoning_parser
+        return None if name is None else REASONING_PARSERS[name]()
+
+    async def reasoning_end_ids(self, parser: ReasoningParser) -> list[int]:
+        """The token ids of the parser's end marker, which the engine waits for before a constraint."""
+        return (await self.tokenizer()).encode(parser.end, add_special_tokens=False).ids
+
     async def decode(self, token_ids: list[int]) -> str:
         """Prompt text of token ids (for echo)."""
         return (await self.tokenizer()).decode(token_ids, skip_special_tokens=False)
@@ -146,7 +161,7 @@ class OpenAIShim:
                     text,
                     input_ids=ids,
                     sampling_parameters=request.sampling,
-                    stream=request.stream,
+                    stream=request.stream or request.stream_upstream,
                     return_logprobs=request.logprobs is not None,
                     request_id=f"{request_id}-{i}",
                     add_special_tokens=request.add_special_tokens,
