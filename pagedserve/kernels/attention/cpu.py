@@ -15,14 +15,15 @@ import torch.nn.functional as F
 from pagedserve.kernels import native
 from pagedserve.kernels.attention import cpu_prefill, reference
 from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
-from pagedserve.kernels.native.split import RangeSplitter
+from pagedserve.kernels.native.split import openmp_available
 
 _decode_kernel = native.Function(
     "pagedserve_decode_attention",
-    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
+    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8
+    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int],
 )
-# Below 8 sequences per thread, one call is cheaper than handing work to another thread.
-_split = RangeSplitter("pagedserve-attn", min_per_thread=8)
+# Tests set this to run the decode kernel's portable loops where the CPU has AVX-512 (the path AVX2 CPUs take).
+PORTABLE_DECODE = False
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -58,17 +59,16 @@ def decode_attention(
         out = torch.empty(query.shape, dtype=query.dtype)
     if num_seqs == 0:
         return out if target is None else target
-    code = native.dtype_code(query)
     window, soft_cap = mods.sliding_window or 0, mods.soft_cap or 0.0
-
-    def run(begin: int, end: int) -> None:
-        _decode_kernel(
-            out[begin].data_ptr(), query[begin].data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-            tables[begin].data_ptr(), lens[begin].data_ptr(), end - begin, num_q_heads, num_kv_heads,
-            head_dim, block_size, tables.stride(0), query.stride(0), out.stride(0), scale, window, soft_cap, code,
-        )
-
-    _split(run, num_seqs)
+    # The kernel shares the keys among torch's OpenMP threads itself (whole sequences, or a long sequence's
+    # context cut into parts merged by log-sum-exp where there are fewer sequences than threads).
+    max_parts = torch.get_num_threads() if openmp_available() else 1
+    _decode_kernel(
+        out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, tables.stride(0),
+        query.stride(0), out.stride(0), scale, window, soft_cap, native.dtype_code(query), max_parts,
+        int(PORTABLE_DECODE),
+    )
     if target is not None and target is not out:
         target.copy_(out)
         return target

@@ -1,186 +1,508 @@
 // Decode-time PagedAttention for the CPU: one query token per sequence attends over its K/V read in place
 // from the paged cache, so nothing is gathered into a padded copy first (the torch path's biggest cost).
 // A sliding window (window > 0) reads only the last `window` keys; soft_cap > 0 applies cap * tanh(s / cap).
-// Math is fp32 whatever the cache dtype; -march=native -fopenmp-simd turn the head_dim loops into vector code.
+//
+// One pass over the context in tiles of 16 keys with an online softmax: each K and V row (all KV heads of a
+// slot, back to back) is read once and serves every query head of its GQA group. With AVX-512 the 16 scores
+// of a tile fill one register (Q·K by vdpbf16ps on a bf16 cache where the CPU has AVX512_BF16: bf16 products
+// are exact in fp32), P·V accumulates in fp32 registers; elsewhere portable loops the compiler vectorises.
+// Threads of torch's OpenMP team share the keys: whole sequences where there are enough of them, else exact
+// shares of all keys end to end (flash-decoding), each cut sequence's pieces (max, sum, unnormalised output)
+// merged by log-sum-exp afterwards.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDSERVE_ATTN_AVX512 1
+#include <immintrin.h>
+constexpr bool kHaveAvx512 = true;
+#else
+constexpr bool kHaveAvx512 = false;
+#endif
 
 #include "../native/cpu_common.h"
 
 namespace {
 
-using pagedserve::bf16_to_float;
+using pagedserve::Elem;
 using pagedserve::fast_exp;
-using pagedserve::float_to_bf16;
 
+constexpr int kTile = 16;  // keys per tile: one score per lane of a 512-bit register
+
+struct Problem {
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int64_t* seq_lens;
+  int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, table_stride, query_stride, out_stride;
+  float scale, soft_cap;
+  int64_t window;
+};
+
+// Row pointers of up to kTile consecutive keys (each row: every KV head of one cache slot).
 template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n);
+struct Tile {
+  const T* keys[kTile];
+  const T* values[kTile];
+  int count;
+};
 
-template <>
-inline void load_row<float>(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-
-template <>
-inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n, float scale);
-
-template <>
-inline void store_row<float>(const float* src, float* dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
-}
-
-template <>
-inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n, float scale) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i] * scale);
-}
-
-// The cache is far larger than any CPU cache and a sequence's blocks lie anywhere in it: while reading
-// slot j of a block, ask for slot j of the next block (one row ahead, spread over the block rather than
-// all at once), so DRAM-resident blocks arrive before they are read (docs/benchmarks.md: row-ahead prefetch).
-template <typename T>
-inline void prefetch_row(const T* row, int64_t elements) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) {
-    __builtin_prefetch(bytes + offset, 0, 3);
+// A query's running softmax over the keys seen so far: max and sum of exp(score - max) per query head,
+// and the unnormalised weighted sum of values, [num_q_heads, head_dim] fp32.
+struct State {
+  std::vector<float> max, sum, acc;
+  void reset(int64_t heads, int64_t dim) {
+    max.assign(heads, -INFINITY);
+    sum.assign(heads, 0.f);
+    acc.assign(heads * dim, 0.f);
   }
+};
+
+// Keys [pos, min(end, next multiple of kTile)): tiles line up with cache blocks of 16 or more slots.
+template <typename T>
+int64_t fill_tile(const Problem& p, const int32_t* table, int64_t pos, int64_t end, Tile<T>& tile) {
+  const int64_t stop = std::min(end, (pos / kTile + 1) * kTile);
+  const int64_t slot_stride = p.num_kv_heads * p.head_dim;
+  int64_t block = pos / p.block_size, offset = pos % p.block_size;
+  tile.count = static_cast<int>(stop - pos);
+  for (int j = 0; j < tile.count; ++j) {
+    const int64_t row = (static_cast<int64_t>(table[block]) * p.block_size + offset) * slot_stride;
+    tile.keys[j] = static_cast<const T*>(p.key_cache) + row;
+    tile.values[j] = static_cast<const T*>(p.value_cache) + row;
+    if (++offset == p.block_size) offset = 0, ++block;
+  }
+  // Past the count, rows repeat the first (whose lanes are masked): full-width loops need no branches.
+  for (int j = tile.count; j < kTile; ++j) tile.keys[j] = tile.keys[0], tile.values[j] = tile.values[0];
+  return stop;
 }
 
-// HEAD_DIM > 0 fixes the row length at compile time (vectorised loops); 0 means `head_dim` at run time.
-// Softmax numerators of one head's scores in place (capped first when soft_cap > 0); returns their sum.
-inline float exponentiate(float* scores, int64_t span, float max_score, float soft_cap) {
-  float total = 0.f;
-  if (soft_cap > 0.f) {
-    // tanh is increasing, so the capped maximum is the cap of the maximum.
-    const float m = soft_cap * std::tanh(max_score / soft_cap);
-    for (int64_t pos = 0; pos < span; ++pos) {
-      scores[pos] = fast_exp(soft_cap * std::tanh(scores[pos] / soft_cap) - m);
-      total += scores[pos];
+constexpr int kAhead = 2;  // tiles between the one computed and the one prefetched
+
+// Software prefetch of a tile's K and V rows (a block anywhere in the cache, which the hardware prefetcher
+// cannot guess), issued a few lines at a time between the computations of a tile `kAhead` earlier: a burst
+// of a whole tile's lines would stall on the core's few line-fill buffers (docs/benchmarks.md, issue 30).
+template <typename T>
+struct Prefetcher {
+  Tile<T> tile;
+  int64_t lines_per_row = 0;
+  int row = 0, line = 0, rows = 0;  // cursor over the K rows, then the V rows
+  int per_head = 0;                // lines to ask for at each of the 2 * num_q_heads calls a tile makes
+
+  void start(const Problem& p, bool active) {
+    lines_per_row = (p.num_kv_heads * p.head_dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    row = line = 0;
+    rows = active ? 2 * tile.count : 0;
+    per_head = static_cast<int>((rows * lines_per_row + 2 * p.num_q_heads - 1) / (2 * p.num_q_heads));
+  }
+
+  void issue(int lines) {
+    for (int n = 0; n < lines && row < rows; ++n) {
+      const T* base = row < tile.count ? tile.keys[row] : tile.values[row - tile.count];
+      __builtin_prefetch(reinterpret_cast<const char*>(base) + line * 64, 0, 2);  // to L2 (T1): beat T0 here
+      if (++line == lines_per_row) line = 0, ++row;
     }
-    return total;
   }
-#pragma omp simd reduction(+ : total)
-  for (int64_t pos = 0; pos < span; ++pos) {
-    scores[pos] = fast_exp(scores[pos] - max_score);
-    total += scores[pos];
+};
+
+// Portable tile operations: plain loops the compiler vectorises for whatever -march=native offers.
+struct PortableOps {
+  struct Query {
+    std::vector<float> q;  // [num_q_heads, head_dim] fp32
+    std::vector<float> row;  // one cache row converted to fp32
+  };
+
+  template <typename T>
+  static void prepare(const Problem& p, const T* query, Query& out) {
+    out.q.resize(p.num_q_heads * p.head_dim);
+    out.row.resize(p.num_kv_heads * p.head_dim);
+    for (int64_t i = 0; i < p.num_q_heads * p.head_dim; ++i) out.q[i] = Elem<T>::load(query[i]);
   }
-  return total;
-}
 
-// Each cache slot holds all KV heads back to back, so one pass over a sequence's blocks reads its context
-// sequentially, once for K and once for V, serving every query head. Keys before `begin` (outside the
-// window) are skipped; scores are stored relative to it.
-template <typename T, int HEAD_DIM>
-void decode_attention(T* out, const T* query, const T* key_cache, const T* value_cache,
-                      const int32_t* block_tables, const int64_t* seq_lens, int64_t num_seqs,
-                      int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim_rt, int64_t block_size,
-                      int64_t block_table_stride, int64_t query_stride, int64_t out_stride, float scale,
-                      int64_t window, float soft_cap) {
-  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  const int64_t group = num_q_heads / num_kv_heads;
-  const int64_t slot_stride = num_kv_heads * head_dim;  // elements between consecutive slots of a block
-  std::vector<float> q(num_q_heads * head_dim), row(slot_stride), acc(num_q_heads * head_dim), scores;
-  std::vector<float> row_max(num_q_heads), row_sum(num_q_heads);
+  template <typename T>
+  static void load_row(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::load(src[i]);
+  }
 
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t length = seq_lens[s];
-    const int64_t begin = window > 0 && length > window ? length - window : 0;
-    const int64_t span = length - begin;
-    const int32_t* table = block_tables + s * block_table_stride;
-    if (static_cast<int64_t>(scores.size()) < num_q_heads * span) scores.resize(num_q_heads * span);
-    load_row(query + s * query_stride, q.data(), num_q_heads * head_dim);
-    for (int64_t i = 0; i < num_q_heads * head_dim; ++i) q[i] *= scale;
-    std::fill(row_max.begin(), row_max.end(), -INFINITY);
-
-    // Scores of every query head against every key; blocks outer, slots inner (no division per slot).
-    for (int64_t first = begin / block_size * block_size; first < length; first += block_size) {
-      const T* block = key_cache + static_cast<int64_t>(table[first / block_size]) * block_size * slot_stride;
-      const int64_t count = std::min(block_size, length - first);
-      // The same slot of the next block (K, or the first V block after the last K block), a row ahead.
-      const T* ahead = first + block_size < length
-                           ? key_cache + static_cast<int64_t>(table[first / block_size + 1]) * block_size * slot_stride
-                           : value_cache + static_cast<int64_t>(table[begin / block_size]) * block_size * slot_stride;
-      for (int64_t j = std::max<int64_t>(begin - first, 0); j < count; ++j) {
-        prefetch_row(ahead + j * slot_stride, slot_stride);
-        load_row(block + j * slot_stride, row.data(), slot_stride);
-        for (int64_t h = 0, qh = 0; h < num_kv_heads; ++h) {
-          const float* kv = row.data() + h * head_dim;
-          for (int64_t g = 0; g < group; ++g, ++qh) {
-            const float* qv = q.data() + qh * head_dim;
-            float dot = 0.f;
+  // scores[qh * kTile + j] = scale * q[qh] · k[j]; lanes past the tile's count are left alone.
+  template <typename T, int HEAD_DIM>
+  static void scores(const Problem& p, Query& q, const Tile<T>& tile, float* scores, Prefetcher<T>& ahead) {
+    const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
+    const int lines = ahead.per_head * static_cast<int>(p.num_q_heads) / kTile + 1;
+    for (int j = 0; j < tile.count; ++j) {
+      ahead.issue(lines);
+      load_row(tile.keys[j], q.row.data(), p.num_kv_heads * dim);
+      for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
+        const float* kv = q.row.data() + qh / group * dim;
+        const float* qv = q.q.data() + qh * dim;
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qv[d] * kv[d];
-            scores[qh * span + first + j - begin] = dot;
-            row_max[qh] = dot > row_max[qh] ? dot : row_max[qh];
-          }
-        }
+        for (int64_t d = 0; d < dim; ++d) dot += qv[d] * kv[d];
+        scores[qh * kTile + j] = dot * p.scale;
       }
     }
-    for (int64_t qh = 0; qh < num_q_heads; ++qh) {
-      row_sum[qh] = exponentiate(scores.data() + qh * span, span, row_max[qh], soft_cap);
-    }
-    // Weighted sum of the values, same order.
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t first = begin / block_size * block_size; first < length; first += block_size) {
-      const T* block =
-          value_cache + static_cast<int64_t>(table[first / block_size]) * block_size * slot_stride;
-      const int64_t count = std::min(block_size, length - first);
-      const T* ahead =
-          first + block_size < length
-              ? value_cache + static_cast<int64_t>(table[first / block_size + 1]) * block_size * slot_stride
-              : (s + 1 < num_seqs ? key_cache + static_cast<int64_t>(block_tables[(s + 1) * block_table_stride]) *
-                                                    block_size * slot_stride
-                                  : block);
-      for (int64_t j = std::max<int64_t>(begin - first, 0); j < count; ++j) {
-        prefetch_row(ahead + j * slot_stride, slot_stride);
-        load_row(block + j * slot_stride, row.data(), slot_stride);
-        for (int64_t h = 0, qh = 0; h < num_kv_heads; ++h) {
-          const float* vv = row.data() + h * head_dim;
-          for (int64_t g = 0; g < group; ++g, ++qh) {
-            const float p = scores[qh * span + first + j - begin];
-            float* aq = acc.data() + qh * head_dim;
+  }
+
+  static void softmax(const Problem& p, int count, float* scores, State& state);
+
+  // acc[qh] += sum_j weights[qh * kTile + j] * v[j].
+  template <typename T, int HEAD_DIM>
+  static void values(const Problem& p, Query& q, const Tile<T>& tile, const float* weights, float* acc,
+                     Prefetcher<T>& ahead) {
+    const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
+    const int lines = ahead.per_head * static_cast<int>(p.num_q_heads) / kTile + 1;
+    for (int j = 0; j < tile.count; ++j) {
+      ahead.issue(lines);
+      load_row(tile.values[j], q.row.data(), p.num_kv_heads * dim);
+      for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
+        const float* vv = q.row.data() + qh / group * dim;
+        const float w = weights[qh * kTile + j];
+        float* aq = acc + qh * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) aq[d] += p * vv[d];
+        for (int64_t d = 0; d < dim; ++d) aq[d] += w * vv[d];
+      }
+    }
+  }
+};
+
+#if defined(PAGEDSERVE_ATTN_AVX512)
+// 16 vectors in, one out whose lane L is the sum of the lanes of v[(L % 4) * 4 + L / 4] (a 4x4 transpose of
+// the order; callers store key j's partial sums at v[(j % 4) * 4 + j / 4] so that lane j is key j's score).
+inline __m512 reduce16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __mmask16 mask16(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1); }
+
+// 16 elements (fewer under `mask`) of a row as fp32.
+inline __m512 load16(const float* src, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, src); }
+inline __m512 load16(const uint16_t* src, __mmask16 mask) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// fast_exp (cpu_common.h) on 16 lanes: the same clamp, rounding and polynomial.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, whole), _mm512_set1_ps(0.693147180559945309f));
+  __m512 poly = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) {
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(c));
+  }
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(poly, _mm512_castsi512_ps(bits));
+}
+
+struct Avx512Ops {
+  struct Query {
+    std::vector<float> q;        // [num_q_heads, padded] fp32, zero past head_dim
+    std::vector<uint16_t> qbf;   // the same in bf16 (a bf16 query as given), for vdpbf16ps
+    std::vector<float> vrows;    // a tile's values of one KV head in fp32, [kTile, padded]
+    int64_t padded = 0;          // head_dim rounded up to 32
+  };
+
+  template <typename T>
+  static void prepare(const Problem& p, const T* query, Query& out) {
+    out.padded = (p.head_dim + 31) / 32 * 32;
+    out.q.assign(p.num_q_heads * out.padded, 0.f);
+    out.qbf.assign(p.num_q_heads * out.padded, 0);
+    out.vrows.resize(kTile * out.padded);
+    for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
+      for (int64_t d = 0; d < p.head_dim; ++d) out.q[qh * out.padded + d] = Elem<T>::load(query[qh * p.head_dim + d]);
+      if constexpr (sizeof(T) == 2) std::memcpy(&out.qbf[qh * out.padded], query + qh * p.head_dim, p.head_dim * 2);
+    }
+  }
+
+  // One query head against one key row's head: 16 partial sums whose total is the dot product.
+  template <typename T>
+  static __m512 partial_dot(const Query& q, int64_t qh, const T* key, int64_t dim) {
+    __m512 acc = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if constexpr (sizeof(T) == 2) {
+      const uint16_t* qv = q.qbf.data() + qh * q.padded;
+      for (int64_t d = 0; d < dim; d += 32) {
+        const __mmask32 mask = dim - d >= 32 ? 0xffffffffu : (1u << (dim - d)) - 1;
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mask, key + d),
+                               (__m512bh)_mm512_loadu_si512(qv + d));
+      }
+      return acc;
+    }
+#endif
+    const float* qv = q.q.data() + qh * q.padded;
+    for (int64_t d = 0; d < dim; d += 16) {
+      acc = _mm512_fmadd_ps(load16(key + d, mask16(dim - d)), _mm512_loadu_ps(qv + d), acc);
+    }
+    return acc;
+  }
+
+  template <typename T, int HEAD_DIM>
+  static void scores(const Problem& p, Query& q, const Tile<T>& tile, float* scores, Prefetcher<T>& ahead) {
+    const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
+    const __m512 scale = _mm512_set1_ps(p.scale);
+    for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
+      ahead.issue(ahead.per_head);
+      const int64_t head_offset = qh / group * dim;
+      __m512 parts[kTile];  // unrolled, so the partial sums stay in registers
+#pragma GCC unroll 16
+      for (int j = 0; j < kTile; ++j) parts[(j % 4) * 4 + j / 4] = partial_dot(q, qh, tile.keys[j] + head_offset, dim);
+      _mm512_storeu_ps(scores + qh * kTile, _mm512_mul_ps(reduce16(parts), scale));
+    }
+  }
+
+  // The online softmax step of PortableOps::softmax below, 16 lanes at once.
+  static void softmax(const Problem& p, int count, float* scores, State& state) {
+    const __mmask16 valid = mask16(count);
+    for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
+      float* s = scores + qh * kTile;
+      if (p.soft_cap > 0.f) {
+        for (int j = 0; j < count; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
+      }
+      const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_loadu_ps(s));
+      const float tile_max = _mm512_reduce_max_ps(x);
+      float& m = state.max[qh];
+      if (tile_max > m) {
+        const float alpha = fast_exp(m - tile_max);  // m = -inf: the state is still empty
+        state.sum[qh] *= alpha;
+        float* acc = state.acc.data() + qh * p.head_dim;
+        for (int64_t d = 0; d < p.head_dim; d += 16) {
+          const __mmask16 mask = mask16(p.head_dim - d);
+          _mm512_mask_storeu_ps(acc + d, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, acc + d),
+                                                             _mm512_set1_ps(alpha)));
+        }
+        m = tile_max;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
+      _mm512_storeu_ps(s, e);
+      state.sum[qh] += _mm512_reduce_add_ps(e);
+    }
+  }
+
+  template <typename T, int HEAD_DIM>
+  static void values(const Problem& p, Query& q, const Tile<T>& tile, const float* weights, float* acc,
+                     Prefetcher<T>& ahead) {
+    const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      // A bf16 head is widened once into vrows and serves the whole group; fp32 rows are read in place.
+      const float* rows[kTile];
+      for (int j = 0; j < kTile; ++j) {
+        if constexpr (sizeof(T) == 2) {
+          float* dst = q.vrows.data() + j * q.padded;
+          for (int64_t d = 0; d < dim; d += 16) {
+            _mm512_storeu_ps(dst + d, load16(tile.values[j] + h * dim + d, mask16(dim - d)));
           }
+          rows[j] = dst;
+        } else {
+          rows[j] = reinterpret_cast<const float*>(tile.values[j]) + h * dim;
+        }
+      }
+      for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
+        ahead.issue(ahead.per_head);
+        __m512 w[kTile];  // zero past the tile's count
+#pragma GCC unroll 16
+        for (int j = 0; j < kTile; ++j) w[j] = _mm512_set1_ps(weights[qh * kTile + j]);
+        float* aq = acc + qh * dim;
+        for (int64_t d = 0; d < dim; d += 16) {
+          const __mmask16 mask = mask16(dim - d);
+          __m512 sum = _mm512_maskz_loadu_ps(mask, aq + d);
+#pragma GCC unroll 16
+          for (int j = 0; j < kTile; ++j) sum = _mm512_fmadd_ps(w[j], _mm512_maskz_loadu_ps(mask, rows[j] + d), sum);
+          _mm512_mask_storeu_ps(aq + d, mask, sum);
         }
       }
     }
-    for (int64_t qh = 0; qh < num_q_heads; ++qh) {
-      store_row(acc.data() + qh * head_dim, out + s * out_stride + qh * head_dim, head_dim, 1.f / row_sum[qh]);
+  }
+};
+#endif
+
+// Online softmax over one tile's scores: rescales the state to the new maximum and turns the scores into
+// weights exp(score - max) in place (zero past the tile's count).
+void PortableOps::softmax(const Problem& p, int count, float* scores, State& state) {
+  for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
+    float* s = scores + qh * kTile;
+    if (p.soft_cap > 0.f) {
+      for (int j = 0; j < count; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
+    }
+    float tile_max = -INFINITY;
+    for (int j = 0; j < count; ++j) tile_max = std::max(tile_max, s[j]);
+    float& m = state.max[qh];
+    if (tile_max > m) {
+      const float alpha = fast_exp(m - tile_max);  // m = -inf: the state is still empty
+      state.sum[qh] *= alpha;
+      float* acc = state.acc.data() + qh * p.head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < p.head_dim; ++d) acc[d] *= alpha;
+      m = tile_max;
+    }
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int j = 0; j < kTile; ++j) {
+      s[j] = j < count ? fast_exp(s[j] - m) : 0.f;
+      total += s[j];
+    }
+    state.sum[qh] += total;
+  }
+}
+
+// Attention of sequence s's query over its keys [first, last) into `state` (reset first).
+template <typename T, int HEAD_DIM, typename Ops>
+void attend(const Problem& p, int64_t s, int64_t first, int64_t last, typename Ops::Query& q, State& state) {
+  Ops::prepare(p, static_cast<const T*>(p.query) + s * p.query_stride, q);
+  state.reset(p.num_q_heads, p.head_dim);
+  const int32_t* table = p.block_tables + s * p.table_stride;
+  float scores[64 * kTile];
+  std::vector<float> heap;
+  float* weights = scores;
+  if (p.num_q_heads > 64) heap.resize(p.num_q_heads * kTile), weights = heap.data();
+  Tile<T> tile;
+  Prefetcher<T> ahead;
+  int64_t ahead_pos = first;
+  for (int i = 0; i < kAhead && ahead_pos < last; ++i) ahead_pos = fill_tile(p, table, ahead_pos, last, ahead.tile);
+  for (int64_t pos = first; pos < last;) {
+    pos = fill_tile(p, table, pos, last, tile);
+    const bool active = ahead_pos < last;
+    if (active) ahead_pos = fill_tile(p, table, ahead_pos, last, ahead.tile);
+    ahead.start(p, active);
+    Ops::template scores<T, HEAD_DIM>(p, q, tile, weights, ahead);
+    Ops::softmax(p, tile.count, weights, state);
+    Ops::template values<T, HEAD_DIM>(p, q, tile, weights, state.acc.data(), ahead);
+  }
+}
+
+// Output rows acc / sum in the cache dtype.
+template <typename T>
+void write_out(const Problem& p, const State& state, T* out) {
+  for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
+    const float inv = 1.f / state.sum[qh];
+    for (int64_t d = 0; d < p.head_dim; ++d) {
+      out[qh * p.head_dim + d] = Elem<T>::store(state.acc[qh * p.head_dim + d] * inv);
     }
   }
 }
 
-template <typename T>
-void dispatch_head_dim(T* out, const T* query, const T* key_cache, const T* value_cache,
-                       const int32_t* block_tables, const int64_t* seq_lens, int64_t num_seqs,
-                       int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                       int64_t block_table_stride, int64_t query_stride, int64_t out_stride, float scale,
-                       int64_t window, float soft_cap) {
-#define PAGEDSERVE_CASE(D)                                                                                 \
-  case D:                                                                                                  \
-    return decode_attention<T, D>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs,    \
-                                  num_q_heads, num_kv_heads, head_dim, block_size, block_table_stride,    \
-                                  query_stride, out_stride, scale, window, soft_cap);
-  switch (head_dim) {
-    PAGEDSERVE_CASE(64)
-    PAGEDSERVE_CASE(128)
-    PAGEDSERVE_CASE(32)
-    PAGEDSERVE_CASE(96)
-    default:
-      return decode_attention<T, 0>(out, query, key_cache, value_cache, block_tables, seq_lens, num_seqs,
-                                    num_q_heads, num_kv_heads, head_dim, block_size, block_table_stride,
-                                    query_stride, out_stride, scale, window, soft_cap);
+// A piece of a cut sequence: [max, sum] per query head, then acc, as fp32.
+int64_t piece_size(const Problem& p) { return p.num_q_heads * (p.head_dim + 2); }
+
+void write_piece(const Problem& p, const State& state, float* piece) {
+  std::copy(state.max.begin(), state.max.end(), piece);
+  std::copy(state.sum.begin(), state.sum.end(), piece + p.num_q_heads);
+  std::copy(state.acc.begin(), state.acc.end(), piece + 2 * p.num_q_heads);
+}
+
+// Below this many keys a part, waking another thread costs more than it saves.
+constexpr int64_t kMinKeysPerPart = 512;
+
+// How the keys are shared among parts: all sequences' keys end to end (each sequence's window only).
+struct Split {
+  int64_t parts = 1, total = 0;
+  bool cut = false;  // parts cut sequences at exact key shares (flash-decoding), else whole sequences
+
+  Split(const Problem& p, int64_t max_parts) {
+    for (int64_t s = 0; s < p.num_seqs; ++s) total += span(p, s);
+    parts = std::max<int64_t>(1, std::min(max_parts, total / kMinKeysPerPart));
+    cut = parts > 1 && p.num_seqs < 2 * parts;  // too few sequences to share them out whole
   }
-#undef PAGEDSERVE_CASE
+  static int64_t span(const Problem& p, int64_t s) {
+    return p.window > 0 ? std::min(p.seq_lens[s], p.window) : p.seq_lens[s];
+  }
+  // The keys [begin, end) of sequence s (starting at `offset` end to end) that part `part` computes.
+  std::pair<int64_t, int64_t> share(int64_t part, int64_t offset, int64_t span) const {
+    if (cut) {
+      return {std::max(total * part / parts, offset), std::min(total * (part + 1) / parts, offset + span)};
+    }
+    const int64_t owner = std::min(parts - 1, (2 * offset + span) * parts / std::max<int64_t>(2 * total, 1));
+    return owner == part ? std::make_pair(offset, offset + span) : std::make_pair(offset, offset);
+  }
+};
+
+// Part `part` of the split: sequences wholly in its share are written to `out`; a cut one goes to piece slot
+// 2 * part (the share's first sequence, begun by an earlier part) or 2 * part + 1 (its last, ended by a later
+// part), its sequence number in piece_seqs (-1: slot unused).
+template <typename T, int HEAD_DIM, typename Ops>
+void decode_part(const Problem& p, const Split& split, int64_t part, T* out, float* pieces, int64_t* piece_seqs) {
+  if (split.cut) piece_seqs[2 * part] = piece_seqs[2 * part + 1] = -1;
+  typename Ops::Query q;
+  State state;
+  for (int64_t s = 0, offset = 0; s < p.num_seqs; offset += Split::span(p, s), ++s) {
+    const int64_t span = Split::span(p, s);
+    const auto [begin, end] = split.share(part, offset, span);
+    if (begin >= end) continue;
+    const int64_t skipped = p.seq_lens[s] - span;  // keys before the window
+    attend<T, HEAD_DIM, Ops>(p, s, skipped + begin - offset, skipped + end - offset, q, state);
+    if (begin == offset && end == offset + span) {
+      write_out(p, state, out + s * p.out_stride);
+    } else {
+      const int64_t slot = 2 * part + (begin > offset ? 0 : 1);
+      write_piece(p, state, pieces + slot * piece_size(p));
+      piece_seqs[slot] = s;
+    }
+  }
+}
+
+template <typename T, int HEAD_DIM, typename Ops>
+void decode_parts(const Problem& p, const Split& split, T* out, float* pieces, int64_t* piece_seqs) {
+#pragma omp parallel for schedule(static, 1) num_threads(static_cast<int>(split.parts)) if (split.parts > 1)
+  for (int64_t part = 0; part < split.parts; ++part) {
+    decode_part<T, HEAD_DIM, Ops>(p, split, part, out, pieces, piece_seqs);
+  }
+}
+
+template <typename T, typename Ops>
+void dispatch_head_dim(const Problem& p, const Split& split, T* out, float* pieces, int64_t* piece_seqs) {
+  switch (p.head_dim) {
+    case 64: return decode_parts<T, 64, Ops>(p, split, out, pieces, piece_seqs);
+    case 128: return decode_parts<T, 128, Ops>(p, split, out, pieces, piece_seqs);
+    case 32: return decode_parts<T, 32, Ops>(p, split, out, pieces, piece_seqs);
+    case 96: return decode_parts<T, 96, Ops>(p, split, out, pieces, piece_seqs);
+    default: return decode_parts<T, 0, Ops>(p, split, out, pieces, piece_seqs);
+  }
+}
+
+// Combines the pieces of each cut sequence by their maxima (log-sum-exp) and writes its output row.
+template <typename T>
+void merge_pieces(T* out, const float* pieces, const int64_t* piece_seqs, int64_t num_pieces, int64_t heads,
+                  int64_t dim, int64_t out_stride) {
+  const int64_t size = heads * (dim + 2);
+  std::vector<float> acc(dim);
+  for (int64_t i = 0; i < num_pieces; ++i) {
+    const int64_t s = piece_seqs[i];
+    if (s < 0 || (i > 0 && std::find(piece_seqs, piece_seqs + i, s) != piece_seqs + i)) continue;
+    for (int64_t qh = 0; qh < heads; ++qh) {
+      float m = -INFINITY, sum = 0.f;
+      for (int64_t k = i; k < num_pieces; ++k) {
+        if (piece_seqs[k] == s) m = std::max(m, pieces[k * size + qh]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = i; k < num_pieces; ++k) {
+        if (piece_seqs[k] != s) continue;
+        const float* piece = pieces + k * size;
+        const float weight = fast_exp(piece[qh] - m);
+        sum += piece[heads + qh] * weight;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += piece[2 * heads + qh * dim + d] * weight;
+      }
+      for (int64_t d = 0; d < dim; ++d) out[s * out_stride + qh * dim + d] = Elem<T>::store(acc[d] / sum);
+    }
+  }
 }
 
 }  // namespace
@@ -189,19 +511,43 @@ extern "C" {
 
 // Returns 0 on success, 1 for an unsupported dtype. Strides are in elements; caches are contiguous
 // [num_blocks, block_size, num_kv_heads, head_dim]; query/out rows are [num_q_heads, head_dim] contiguous.
-// window <= 0: no sliding window; soft_cap <= 0: no soft-capping.
+// window <= 0: no sliding window; soft_cap <= 0: no soft-capping. Up to max_parts threads of the OpenMP team
+// share the keys (Split); portable != 0 uses the portable loops even where AVX-512 was compiled in.
 int pagedserve_decode_attention(void* out, const void* query, const void* key_cache, const void* value_cache,
                                 const int32_t* block_tables, const int64_t* seq_lens, int64_t num_seqs,
                                 int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t block_size, int64_t block_table_stride, int64_t query_stride,
-                                int64_t out_stride, float scale, int64_t window, float soft_cap, int dtype) {
+                                int64_t out_stride, float scale, int64_t window, float soft_cap, int dtype,
+                                int64_t max_parts, int portable) {
+  const Problem problem{query, key_cache, value_cache, block_tables, seq_lens, num_seqs, num_q_heads,
+                        num_kv_heads, head_dim, block_size, block_table_stride, query_stride, out_stride,
+                        scale, soft_cap, window};
+  const Split split(problem, max_parts);
+  std::vector<float> pieces(split.cut ? 2 * split.parts * piece_size(problem) : 0);
+  std::vector<int64_t> piece_seqs(split.cut ? 2 * split.parts : 0);
   return pagedserve::with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    dispatch_head_dim(static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(key_cache),
-                      static_cast<const T*>(value_cache), block_tables, seq_lens, num_seqs, num_q_heads,
-                      num_kv_heads, head_dim, block_size, block_table_stride, query_stride, out_stride, scale,
-                      window, soft_cap);
+    T* rows = static_cast<T*>(out);
+#if defined(PAGEDSERVE_ATTN_AVX512)
+    if (!portable) dispatch_head_dim<T, Avx512Ops>(problem, split, rows, pieces.data(), piece_seqs.data());
+#endif
+    if (portable || !kHaveAvx512) {
+      dispatch_head_dim<T, PortableOps>(problem, split, rows, pieces.data(), piece_seqs.data());
+    }
+    merge_pieces(rows, pieces.data(), piece_seqs.data(), static_cast<int64_t>(piece_seqs.size()), num_q_heads,
+                 head_dim, out_stride);
   });
+}
+
+// 1 when pagedserve_decode_attention has its AVX-512 path (2 with AVX512_BF16 dot products), else 0.
+int pagedserve_decode_attention_isa() {
+#if defined(PAGEDSERVE_ATTN_AVX512) && defined(__AVX512BF16__)
+  return 2;
+#elif defined(PAGEDSERVE_ATTN_AVX512)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 }  // extern "C"
