@@ -204,6 +204,29 @@ class TritonLLMClient:
             await _end_stream(call, request_ended)
 
 
+    async def pool(self, embedding_request: dict, request_id: str = "") -> tuple[list[float], int]:
+        """Send one `embedding_request` ({"input": text or ids, "pooling_params": {...}[, "text_pair": text]});
+        returns (the pooled vector, the input's token count); errors as generate() raises them."""
+        array = np.array([json.dumps(embedding_request).encode("utf-8")], dtype=np.object_)
+        tensor = grpcclient.InferInput("embedding_request", [1], "BYTES")
+        tensor.set_data_from_numpy(array)
+
+        async def requests():
+            yield {"model_name": self.model_name, "inputs": [tensor], "request_id": request_id}
+
+        call = self._client.stream_infer(requests())
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise TritonRequestError(_strip_prefix(str(error)))
+                vector = json.loads(_decode(result.as_numpy("text_output").reshape(-1)[0]))
+                return vector, int(result.as_numpy("num_input_tokens").reshape(-1)[0])
+        except grpc.aio.AioRpcError as error:
+            raise TritonUnavailableError(f"tritonserver at {self.url}: {error.details()}") from error
+        finally:
+            await _end_stream(call, True)
+        raise TritonUnavailableError(f"tritonserver at {self.url} ended an embedding_request without an answer")
+
     async def lora_control(self, control: dict) -> dict:
         """Send one lora_control request ({"action": "list" | "load" | "unload", ...}) and return its answer,
         {"message": ..., "lora_adapters": {name: folder}}; errors as generate() raises them."""

@@ -25,6 +25,9 @@ class OutputEncoder:
     def tensors(self, request: InFlight, output: RequestOutput) -> list:
         """Every output tensor this request asked for, for this output."""
         inputs = request.inputs
+        if inputs.pooling is not None:  # the vector as JSON text, as Triton's vLLM backend answers it
+            return [string_tensor("text_output", [json.dumps(output.pooled)] if output.pooled is not None else [""]),
+                    *self._counts(inputs, output)]
         completions = output.outputs
         if inputs.stream:
             texts = [c.text_delta for c in completions]

@@ -155,10 +155,15 @@ class EngineLoop:
         """Add the request to the engine; a refusal is its error response."""
         inputs = request.inputs
         try:
-            self.engine.add_request(request.request_id, inputs.prompt, inputs.params,
-                                    prompt_token_ids=inputs.prompt_token_ids,
-                                    add_special_tokens=inputs.add_special_tokens, arrival_time=request.arrival,
-                                    priority=inputs.priority, timeout=inputs.timeout)
+            if inputs.pooling is not None:
+                self.engine.add_pooling_request(request.request_id, inputs.prompt, inputs.pooling.params,
+                                                inputs.prompt_token_ids, inputs.pooling.text_pair,
+                                                arrival_time=request.arrival, timeout=inputs.timeout)
+            else:
+                self.engine.add_request(request.request_id, inputs.prompt, inputs.params,
+                                        prompt_token_ids=inputs.prompt_token_ids,
+                                        add_special_tokens=inputs.add_special_tokens, arrival_time=request.arrival,
+                                        priority=inputs.priority, timeout=inputs.timeout)
         except Exception as error:  # noqa: BLE001 - every failure becomes this request's error response
             self._outbox.put_for(request, SendError(request, error))
             return

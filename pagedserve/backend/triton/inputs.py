@@ -9,6 +9,7 @@ from typing import Any
 from pagedserve.backend.core.errors import InvalidRequestError, json_object
 from pagedserve.backend.core.request import check_priority
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.triton.pooling_inputs import EMBEDDING_REQUEST, PoolingInputs, parse_embedding_request
 
 # KServe request parameters that Triton or its clients set for themselves, not sampling settings (the llm
 # model reads `priority` and `timeout` on their own).
@@ -43,6 +44,7 @@ class LLMRequestInputs:
     add_special_tokens: bool = True
     priority: int = 0  # the scheduling priority (lower first), 0 by default
     timeout: float | None = None  # seconds from arrival until the request ends with a timeout error
+    pooling: PoolingInputs | None = None  # an embedding_request: pooled, not generated
 
     @property
     def from_ensemble(self) -> bool:
@@ -128,6 +130,11 @@ def parse_llm_request(request: Any, tensors: dict[str, Any] | None = None) -> LL
     """Read and validate one `llm` request (its input_tensors when already read); InvalidRequestError names the
     offending field."""
     inputs = input_tensors(request) if tensors is None else tensors
+    embedding = string_input(inputs, EMBEDDING_REQUEST, MAX_PROMPT_BYTES)
+    if embedding is not None:
+        prompt, ids, pooling = parse_embedding_request(embedding)
+        return LLMRequestInputs(prompt, ids, SamplingParams(), return_num_input_tokens=True, pooling=pooling,
+                                timeout=_timeout_seconds(request, _kserve_parameters(request)))
     prompt = string_input(inputs, "text_input", MAX_PROMPT_BYTES)
     ids_tensor = inputs.get("input_ids")
     prompt_token_ids = [int(t) for t in ids_tensor.as_numpy().reshape(-1)] if ids_tensor is not None else None

@@ -9,6 +9,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from pagedserve.backend.core.outputs import EngineStats, RequestOutput
+from pagedserve.backend.core.pooling_params import PoolingParams
 from pagedserve.backend.core.sampling_params import SamplingParams
 
 # TRITONSERVER_RESPONSE_COMPLETE_FINAL (tritonserver.h): the flag of a request's last response. llm_model
@@ -30,6 +31,11 @@ class EngineClient(Protocol):
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
                     add_special_tokens: bool = True, priority: int = 0, timeout: float | None = None) -> None: ...
+
+    def add_pooling_request(self, request_id: str, prompt: str | None, params: PoolingParams | None = None,
+                            prompt_token_ids: list[int] | None = None, text_pair: str | None = None,
+                            arrival_time: float | None = None, priority: int = 0,
+                            timeout: float | None = None) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 

@@ -20,6 +20,7 @@ from pagedserve.client.openai.generation import Generation
 from pagedserve.client.openai.lora import load_lora_adapter, unload_lora_adapter
 from pagedserve.client.openai.serving_chat import ChatGeneration
 from pagedserve.client.openai.serving_completion import CompletionGeneration
+from pagedserve.client.openai.serving_pooling import add_pooling_routes, model_tasks
 from pagedserve.client.openai.serving_tokens import detokenize, tokenize
 from pagedserve.client.openai.shim import OpenAIShim, ShimSettings
 from pagedserve.client.openai.streams import ClientGone, merge_streams, unless_disconnected
@@ -51,7 +52,9 @@ def create_app(settings: ShimSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=authorized)
     async def list_models() -> dict:
-        return {"object": "list", "data": await shim.model_cards()}
+        cards = await shim.model_cards()
+        tasks = await model_tasks(shim)  # what the model does: generate, embed, classify / score
+        return {"object": "list", "data": [{**card, "capabilities": tasks} for card in cards]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=authorized)
     async def get_model(model_id: str) -> dict:
@@ -71,6 +74,7 @@ def create_app(settings: ShimSettings) -> FastAPI:
     for path, endpoint in ENDPOINTS.items():
         app.add_api_route(path, _generation_route(shim, endpoint), methods=["POST"], dependencies=authorized,
                           name=endpoint.__name__)
+    add_pooling_routes(app, shim, authorized, _read_json)
     return app
 
 
