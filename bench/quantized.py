@@ -6,9 +6,12 @@ decode output tokens/s at concurrency 1, 8 and 32, and the mean |delta logprob| 
     python bench/quantized.py            # 128 new tokens per stream
     python bench/quantized.py --quick    # 32 new tokens, a smoke run
     python bench/quantized.py --llama-cpp --only gguf_q4_1,int4_bf16   # beside llama.cpp on the same GGUF
+    python bench/quantized.py --gguf Q4_K_M --only gguf_q4_k_m_bf16 --llama-cpp --threads 2 --concurrency 1
 
 `--llama-cpp` adds llama.cpp on the same file and workload (bench/llamacpp_peer.py, built once into the cache):
-its Python binding for one stream, its own `llama-server --parallel N` for N streams.
+its Python binding for one stream (`--peer-one-stream server`: its `llama-server --parallel 1` instead), its own
+`llama-server --parallel N` for N streams. `--gguf Q4_K_M` (or Q6_K, ...) benchmarks a file llama.cpp's
+`llama-quantize --allow-requantize` made from the default model's Q4_1 file, on both sides.
 """
 
 from __future__ import annotations
@@ -29,12 +32,31 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicy
            "List five facts about the Moon.", "What is the capital of France?"]
 
 
-def variants() -> dict[str, tuple[str, dict]]:
+def gguf_path(kind: str) -> str:
+    """The default model's GGUF of `kind`: the wheel's own Q4_1 file, else one llama-quantize made from it."""
+    from pagedserve.backend.model.default_model import find_gguf
+
+    if kind.upper() == "Q4_1":
+        return str(find_gguf())
+    import llamacpp_peer
+
+    path, why = llamacpp_peer.quantized_gguf(kind.upper())
+    if path is None:
+        raise SystemExit(f"no {kind} file: {why}")
+    return str(path)
+
+
+def variants(gguf_kinds: list[str]) -> dict[str, tuple[str, dict]]:
     """name -> (model path, from_pretrained settings)."""
     from pagedserve.backend.model.default_model import ensure_default_model, find_gguf
 
     folder = ensure_default_model()
-    return {
+    extra = {}
+    for kind in (k for k in gguf_kinds if k.upper() != "Q4_1"):
+        path = gguf_path(kind)
+        extra[f"gguf_{kind.lower()}"] = (path, {"dtype": "float32"})
+        extra[f"gguf_{kind.lower()}_bf16"] = (path, {"dtype": "bfloat16"})
+    return extra | {
         "fp32": (folder, {"dtype": "float32"}),
         "bf16": (folder, {"dtype": "bfloat16"}),
         "int8": (folder, {"dtype": "float32", "quantization": "int8"}),
@@ -78,13 +100,13 @@ def text_logprobs(engine) -> list[float]:
     return [row[token] for row, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
 
 
-def run_variant(path: str, settings: dict, new_tokens: int, concurrencies: list[int]) -> dict:
+def run_variant(path: str, settings: dict, new_tokens: int, concurrencies: list[int], threads: int) -> dict:
     """Load one variant and measure it."""
     from pagedserve.backend.engine.llm_engine import LLMEngine
     from pagedserve.backend.model.quantized import weight_bytes
 
     start = time.perf_counter()
-    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_threads=1, kv_cache_memory_bytes=256 << 20,
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_threads=threads, kv_cache_memory_bytes=256 << 20,
                                        **settings)
     row = {"load_s": round(time.perf_counter() - start, 1),
            "weight_MiB": round(weight_bytes(engine.runner.model) / 2**20, 1)}
@@ -93,32 +115,32 @@ def run_variant(path: str, settings: dict, new_tokens: int, concurrencies: list[
     return row
 
 
-def run_llama_cpp(new_tokens: int, concurrencies: list[int]) -> dict:
-    """llama.cpp on the default GGUF: the binding for one stream, llama-server --parallel N for N > 1."""
+def run_llama_cpp(gguf: str, new_tokens: int, concurrencies: list[int], threads: int, one_stream: str) -> dict:
+    """llama.cpp on `gguf`: the binding (or llama-server --parallel 1) for one stream, llama-server --parallel N
+    for N > 1."""
     import tempfile
 
     import llamacpp_peer
 
-    from pagedserve.backend.model.default_model import find_gguf
     from pagedserve.backend.model.loader import load_tokenizer
+    from pagedserve.client.launcher import free_loopback_ports
 
-    gguf = str(find_gguf())
     tokenizer = load_tokenizer(gguf)
-    row: dict = {"tok_s": {}, "notes": []}
-    python, why = llamacpp_peer.binding_python()
-    if python is not None and 1 in concurrencies:
-        row["tok_s"]["1"] = round(llamacpp_peer.binding_tok_s(python, gguf, prompt_ids(tokenizer, 1), new_tokens, 1,
-                                                              Path(tempfile.mkdtemp())), 1)
-    elif python is None:
-        row["notes"].append(why)
+    row: dict = {"tok_s": {}, "notes": [], "one_stream": one_stream}
+    if 1 in concurrencies and one_stream == "binding":
+        python, why = llamacpp_peer.binding_python()
+        if python is not None:
+            row["tok_s"]["1"] = round(llamacpp_peer.binding_tok_s(python, gguf, prompt_ids(tokenizer, 1), new_tokens,
+                                                                  threads, Path(tempfile.mkdtemp())), 1)
+        else:
+            row["notes"].append(why)
     binary, why = llamacpp_peer.server_binary()
     if binary is None:
         row["notes"].append(why)
-    for c in (c for c in concurrencies if c > 1 and binary is not None):
-        from pagedserve.client.launcher import free_loopback_ports
-
+    served = [c for c in concurrencies if c > 1 or (c == 1 and one_stream == "server")]
+    for c in (c for c in served if binary is not None):
         row["tok_s"][str(c)] = round(llamacpp_peer.server_tok_s(binary, gguf, prompt_ids(tokenizer, c), new_tokens,
-                                                                1, free_loopback_ports(1)[0]), 1)
+                                                                threads, free_loopback_ports(1)[0]), 1)
     return row
 
 
@@ -126,23 +148,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 new tokens per stream")
     parser.add_argument("--only", default=None, help="comma-separated variants (default: all)")
+    parser.add_argument("--gguf", default="Q4_1", help="comma-separated GGUF kinds: Q4_1 (the wheel's), Q4_K_M, Q6_K..")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of both engines")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp on the same GGUF and workload")
+    parser.add_argument("--peer-one-stream", choices=("binding", "server"), default="binding",
+                        help="llama.cpp's one stream through its Python binding or llama-server --parallel 1")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     new_tokens = 32 if args.quick else 128
-    concurrencies = [1, 8, 32]
-    chosen = variants()
+    kinds = args.gguf.split(",")
+    chosen = variants(kinds)
     if args.only:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
-    report = {"machine": platform.processor() or platform.machine(), "threads": 1, "new_tokens": new_tokens,
-              "greedy": True, "variants": {}}
+    report = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+              "new_tokens": new_tokens, "greedy": True, "variants": {}}
     for name, (path, settings) in chosen.items():
-        row = run_variant(path, settings, new_tokens, concurrencies)
+        row = run_variant(path, settings, new_tokens, args.concurrency, args.threads)
         report["variants"][name] = row
         print(f"{name}: {row['weight_MiB']} MiB, tok/s {row['tok_s']}", flush=True)
     if args.llama_cpp:
-        report["llama_cpp"] = run_llama_cpp(new_tokens, concurrencies)
-        print(f"llama.cpp: tok/s {report['llama_cpp']['tok_s']} {report['llama_cpp']['notes']}", flush=True)
+        for kind in kinds:
+            peer = run_llama_cpp(gguf_path(kind), new_tokens, args.concurrency, args.threads, args.peer_one_stream)
+            report[f"llama_cpp_{kind.lower()}"] = peer
+            print(f"llama.cpp {kind}: tok/s {peer['tok_s']} {peer['notes']}", flush=True)
     base = report["variants"].get("fp32", {}).get("text_logprobs")
     for row in report["variants"].values():
         lps = row.pop("text_logprobs")
