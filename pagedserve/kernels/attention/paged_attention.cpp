@@ -539,15 +539,4 @@ int pagedserve_decode_attention(void* out, const void* query, const void* key_ca
   });
 }
 
-// 1 when pagedserve_decode_attention has its AVX-512 path (2 with AVX512_BF16 dot products), else 0.
-int pagedserve_decode_attention_isa() {
-#if defined(PAGEDSERVE_ATTN_AVX512) && defined(__AVX512BF16__)
-  return 2;
-#elif defined(PAGEDSERVE_ATTN_AVX512)
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 }  // extern "C"
