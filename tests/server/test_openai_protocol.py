@@ -177,3 +177,14 @@ def test_echo_with_logprobs_asks_for_prompt_logprobs():
     assert "prompt_logprobs" not in parse_completion_request(_completion(logprobs=2)).sampling
     assert "prompt_logprobs" not in parse_completion_request(_completion(echo=True)).sampling
 
+
+
+def test_the_fields_vllm_router_adds_are_accepted_at_their_defaults_and_refused_otherwise():
+    # What vllm-router 0.1.17 writes into every forwarded request (SGLang's names).
+    added = {"no_stop_trim": False, "return_hidden_states": False}
+    parse_completion_request(_completion(**added))
+    parse_chat_request(_chat(**added, separate_reasoning=True, stream_reasoning=True))
+    assert _param_of(parse_completion_request, _completion(no_stop_trim=True)) == "no_stop_trim"
+    assert _param_of(parse_chat_request, _chat(return_hidden_states=True)) == "return_hidden_states"
+    assert _param_of(parse_chat_request, _chat(separate_reasoning=False)) == "separate_reasoning"
+    assert _param_of(parse_chat_request, _chat(surprise=1)) == "surprise"

@@ -6,6 +6,7 @@ engine's own rules, so a request the shim accepts is one the engine accepts.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -269,8 +270,20 @@ def model_field(body: dict) -> str:
     return model
 
 
+# SGLang's request fields that vllm-router and SGLang's router write into every request they forward, at
+# these values they ask for nothing pagedserve does not already do; any other value is refused by name.
+ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "separate_reasoning": True,
+                   "stream_reasoning": True}
+
+
 def _check_known_fields(body: dict, allowed: set[str]) -> None:
     """Unknown fields are refused by name; known ones pagedserve cannot honour are refused too."""
+    for key, default in ROUTER_DEFAULTS.items():
+        if key in body and key not in allowed:
+            if body[key] != default:
+                raise bad_request(f"'{key}' is only accepted as {json.dumps(default)} (pagedserve cannot do "
+                                  "otherwise)", key)
+            allowed = allowed | {key}
     refuse_unknown_fields(body, allowed)
     _refuse_unsupported(body)
 
