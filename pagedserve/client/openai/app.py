@@ -1,6 +1,7 @@
 """The FastAPI application: routes only; each generation endpoint is a `Generation` subclass.
 
-`/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE streaming as OpenAI frames it), vLLM's
+`/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE streaming as OpenAI frames it), `/v1/responses`
+(serving_responses), Anthropic's `/v1/messages` (serving_messages, errors in Anthropic's shape), vLLM's
 `/tokenize`, `/detokenize`, `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, `/health`, and `/metrics` passed through from Triton; every error answers in OpenAI's JSON shape.
 """
 
@@ -20,7 +21,9 @@ from pagedserve.client.openai.generation import Generation
 from pagedserve.client.openai.lora import load_lora_adapter, unload_lora_adapter
 from pagedserve.client.openai.serving_chat import ChatGeneration
 from pagedserve.client.openai.serving_completion import CompletionGeneration
+from pagedserve.client.openai.serving_messages import add_messages_routes
 from pagedserve.client.openai.serving_pooling import add_pooling_routes, model_tasks
+from pagedserve.client.openai.serving_responses import add_responses_routes
 from pagedserve.client.openai.serving_tokens import detokenize, tokenize
 from pagedserve.client.openai.shim import OpenAIShim, ShimSettings
 from pagedserve.client.openai.streams import ClientGone, merge_streams, unless_disconnected
@@ -74,6 +77,8 @@ def create_app(settings: ShimSettings) -> FastAPI:
     for path, endpoint in ENDPOINTS.items():
         app.add_api_route(path, _generation_route(shim, endpoint), methods=["POST"], dependencies=authorized,
                           name=endpoint.__name__)
+    add_responses_routes(app, shim, authorized, _read_json)
+    add_messages_routes(app, shim, _read_json)
     add_pooling_routes(app, shim, authorized, _read_json)
     return app
 

@@ -1,0 +1,196 @@
+"""/v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the chat serving, whole or
+streamed as Anthropic's events, errors in Anthropic's shape, the key taken from `x-api-key` as well."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedserve.client.openai.anthropic_protocol import anthropic_error, chat_body
+from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, triton_api_error
+from pagedserve.client.openai.serving_chat import ChatGeneration
+from pagedserve.client.openai.shim import OpenAIShim
+from pagedserve.client.openai.streams import ClientGone, merge_streams, unless_disconnected
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def add_messages_routes(app: FastAPI, shim: OpenAIShim, read_json: Callable[..., Awaitable[dict]]) -> None:
+    """POST /v1/messages and /v1/messages/count_tokens."""
+
+    async def messages(request: Request) -> Response:
+        try:
+            _authorize(request, shim.settings.api_key)
+            body = await read_json(request, shim.settings.max_body_bytes)
+            generation = await ChatGeneration.create(shim, chat_body(body))
+            run = MessagesRun(generation, body)
+            return await (run.stream() if generation.request.stream else run.whole(request))
+        except APIError as error:
+            return _error_response(error)
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            _authorize(request, shim.settings.api_key)
+            body = await read_json(request, shim.settings.max_body_bytes)
+            generation = await ChatGeneration.create(shim, chat_body(body, counting=True))
+            (prompt,) = generation.request.prompts
+            tokens = (await shim.tokenizer()).encode(prompt, add_special_tokens=False).ids
+            return JSONResponse({"input_tokens": len(tokens)})
+        except APIError as error:
+            return _error_response(error)
+
+    app.add_api_route("/v1/messages", messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(anthropic_error(error), status_code=error.status)
+
+
+def _authorize(request: Request, api_key: str | None) -> None:
+    """Anthropic's clients send `x-api-key`; a bearer token is taken too."""
+    if api_key is None:
+        return
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    given = request.headers.get("x-api-key") or (bearer.strip() if scheme.lower() == "bearer" else "")
+    if not hmac.compare_digest(given.encode("utf-8"), api_key.encode("utf-8")):
+        raise APIError(401, "invalid x-api-key")
+
+
+class MessagesRun:
+    """One Messages request over its chat generation."""
+
+    def __init__(self, generation: ChatGeneration, body: dict):
+        self.generation, self.body = generation, body
+        self.id = "msg_" + uuid.uuid4().hex
+        self.stops = body.get("stop_sequences") or []
+
+    def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None) -> dict:
+        usage = self.generation.usage()
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.body["model"],
+                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+
+    def _stop(self, finish: str | None, text: str) -> tuple[str | None, str | None]:
+        """Anthropic's stop_reason and stop_sequence; a stop sequence is found at the text's end (kept there by
+        include_stop_str_in_output and cut by the caller)."""
+        if finish == "stop":
+            hit = next((s for s in self.stops if text.endswith(s)), None)
+            if hit is not None:
+                return "stop_sequence", hit
+        return _STOP_REASONS.get(finish or "stop", "end_turn"), None
+
+    async def whole(self, request: Request) -> Response:
+        if self.stops:
+            self.generation.request.sampling["include_stop_str_in_output"] = True
+        merged = merge_streams(self.generation.shim.triton_streams(self.generation.request, self.generation.id))
+        try:
+            completion = await unless_disconnected(request, self.generation.run(merged))
+        except TRITON_ERRORS as error:
+            raise triton_api_error(error, self.generation.request.param_renames) from error
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            await merged.aclose()
+        (choice,) = completion["choices"]
+        message = choice["message"]
+        text = message.get("content") or ""
+        reason, sequence = self._stop(choice["finish_reason"], text)
+        if sequence is not None:
+            text = text[:len(text) - len(sequence)]
+        content = []
+        if message.get("reasoning") is not None:
+            content.append({"type": "thinking", "thinking": message["reasoning"], "signature": ""})
+        if text or not message.get("tool_calls"):
+            content.append({"type": "text", "text": text})
+        for call in message.get("tool_calls") or []:
+            content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                            "input": json.loads(call["function"]["arguments"])})
+        return JSONResponse(self.message(content, reason, sequence))
+
+    async def stream(self) -> Response:
+        merged = merge_streams(self.generation.shim.triton_streams(self.generation.request, self.generation.id))
+        return StreamingResponse(self._events(merged), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _events(self, merged: AsyncIterator[Any]) -> AsyncIterator[str]:
+        blocks = BlockWriter()
+        yield _sse("message_start", {"type": "message_start", "message": self.message([], None, None)})
+        finish, failed = None, None
+        try:
+            async for prompt_index, response in merged:
+                for chunk in self.generation._response_chunks(prompt_index, response):
+                    for choice in chunk["choices"]:
+                        for name, event in blocks.delta(choice["delta"]):
+                            yield _sse(name, event)
+                        finish = choice["finish_reason"] or finish
+        except TRITON_ERRORS as error:
+            failed = triton_api_error(error, self.generation.request.param_renames)
+        finally:
+            await merged.aclose()
+        if failed is not None:
+            yield _sse("error", anthropic_error(failed))
+            return
+        for name, event in blocks.close():
+            yield _sse(name, event)
+        usage = self.generation.usage()
+        reason = _STOP_REASONS.get(finish or "stop", "end_turn")
+        yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
+                                     "usage": {"output_tokens": usage["completion_tokens"]}})
+        yield _sse("message_stop", {"type": "message_stop"})
+
+
+class BlockWriter:
+    """Chat deltas in, Anthropic content block events out: thinking, text and tool_use blocks in turn."""
+
+    def __init__(self):
+        self.index = -1
+        self.kind: str | None = None
+
+    def _start(self, kind: str, block: dict) -> list[tuple[str, dict]]:
+        events = self.close()
+        self.index, self.kind = self.index + 1, kind
+        return events + [("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})]
+
+    def close(self) -> list[tuple[str, dict]]:
+        if self.kind is None:
+            return []
+        events = []
+        if self.kind == "thinking":
+            events.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                   "delta": {"type": "signature_delta", "signature": ""}}))
+        self.kind = None
+        return events + [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _delta(self, delta: dict) -> tuple[str, dict]:
+        return "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def delta(self, delta: dict) -> list[tuple[str, dict]]:
+        events = []
+        if delta.get("reasoning"):
+            if self.kind != "thinking":
+                events += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
+        if delta.get("content"):
+            if self.kind != "text":
+                events += self._start("text", {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+        for call in delta.get("tool_calls") or []:
+            function = call.get("function") or {}
+            if call.get("id") is not None:
+                block = {"type": "tool_use", "id": call["id"], "name": function.get("name", ""), "input": {}}
+                events += self._start("tool_use", block)
+            if function.get("arguments"):
+                events.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+        return events
+
+
+def _sse(name: str, event: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
