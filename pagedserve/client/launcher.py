@@ -40,6 +40,7 @@ from pagedserve.client.model_repository import (  # noqa: F401 - launcher's name
     prepare_model_repository,
     set_instance_group,
 )
+from pagedserve.client.shim_flags import reasoning_parser_name
 
 OPENAI_MODULE = "pagedserve.client.openai"
 INSTANCE_KINDS = ("cpu", "gpu", "model")
@@ -302,8 +303,7 @@ def _tool_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--tool-call-parser", args.tool_call_parser]
     if args.exclude_tools_when_tool_choice_none:
         flags.append("--exclude-tools-when-tool-choice-none")
-    if args.reasoning_parser:
-        flags += ["--reasoning-parser", args.reasoning_parser]
+    flags += ["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []
     return flags
 
 
@@ -420,7 +420,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's tool-call format: hermes, llama3_json, mistral or pythonic")
     parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help='the shim keeps the tools from the chat template when tool_choice is "none"')
-    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME", type=reasoning_parser_name,
                         help="the shim splits the model's thinking from its answer: qwen3, deepseek_r1, ...")
     parser.add_argument(
         "--param",

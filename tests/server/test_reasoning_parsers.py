@@ -80,3 +80,20 @@ def test_prompt_phase() -> None:
 def test_registry_has_vllm_names() -> None:
     assert {"qwen3", "deepseek_r1"} <= set(REASONING_PARSERS)
     assert all(name == cls.name for name, cls in REASONING_PARSERS.items())
+
+
+@pytest.mark.parametrize("add_arguments", ["launcher", "shim"])
+def test_unknown_parser_refused_at_start(add_arguments: str, capsys) -> None:
+    import argparse
+
+    from pagedserve.client import launcher
+    from pagedserve.client.openai import main
+
+    parser = argparse.ArgumentParser()
+    (launcher.add_arguments if add_arguments == "launcher" else main.add_arguments)(parser)
+    assert parser.parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--reasoning-parser", "bogus"])
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--reasoning-parser" in error and "deepseek_r1" in error
