@@ -87,10 +87,10 @@ def test_unknown_parser_refused_at_start(add_arguments: str, capsys) -> None:
     import argparse
 
     from pagedserve.client import launcher
-    from pagedserve.client.openai import main
+    from pagedserve.client.openai.main import add_arguments as shim_arguments
 
     parser = argparse.ArgumentParser()
-    (launcher.add_arguments if add_arguments == "launcher" else main.add_arguments)(parser)
+    (launcher.add_arguments if add_arguments == "launcher" else shim_arguments)(parser)
     assert parser.parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["--reasoning-parser", "bogus"])
