@@ -193,6 +193,12 @@ def test_metrics_page_carries_the_vllm_names(triton_server):
                  "vllm:e2e_request_latency_seconds"):
         assert triton_server.metric(f"{name}_count") >= 1, name
     assert triton_server.metric("vllm:generation_tokens_total") >= 3
+    # What a router's endpoint picker reads for prefix-aware scoring: the block size, on vLLM's info gauge.
+    info = re.search(r'^vllm:cache_config_info\{([^}]*)\} (\S+)$', text, re.MULTILINE)
+    assert info and float(info[2]) == 1.0, text
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info[1]))
+    assert labels["block_size"] == str(triton_server.engine_params.get("block_size", 16))
+    assert int(labels["num_gpu_blocks"]) > 0 and labels["cache_dtype"] == "auto" and labels["engine"] == "0"
 
 
 def test_genai_perf_vllm_payload_with_string_numbers_is_served(triton_server):

@@ -30,7 +30,7 @@ from pagedserve.backend.triton.instances import (
 )
 from pagedserve.backend.triton.lora import CONTROL_INPUT, control_request, lora_engine_kwargs, model_instances
 from pagedserve.backend.triton.messages import ControlRequest, InFlight, Stop
-from pagedserve.backend.triton.metrics import EngineMetrics
+from pagedserve.backend.triton.metrics import EngineMetrics, cache_config_labels
 from pagedserve.backend.triton.protocols import FINAL
 from pagedserve.backend.triton.responses import Outbox, ResponseThread
 from pagedserve.backend.triton.settings import (
@@ -168,6 +168,13 @@ class TritonPythonModel:
 
         threading.Thread(target=unload, name="pagedserve-unload", daemon=True).start()
 
+    def _describe_cache(self, engine) -> None:
+        """The KV cache the budget bought, in the server's log and as vllm:cache_config_info."""
+        labels = cache_config_labels(engine.cache_config, engine.runner.num_blocks)
+        pb_utils.Logger.log_info(f"pagedserve: KV cache: {labels['num_gpu_blocks']} blocks of {labels['block_size']} "
+                                 f"tokens, dtype {labels['cache_dtype']}")
+        self._metrics.describe_cache(labels)
+
     def _engine_main(self, settings: ModelSettings) -> None:
         """Load the engine, report back to initialize(), then run the loop until Stop."""
         try:
@@ -176,6 +183,7 @@ class TritonPythonModel:
                 # Triton kernels launch on the thread's current device, not on their tensors' device.
                 torch.cuda.set_device(device)
             engine = self.load_engine()
+            self._describe_cache(engine)
             loop = EngineLoop(engine, settings, self._outbox, self._watcher.watch, pb_utils.Logger)
             self._watcher.engine_inbox = loop.inbox
             loop.on_broken = self._unload_broken

@@ -32,6 +32,7 @@ _GAUGES = {
 STEP_FAILURES_METRIC = "pagedserve:engine_step_failures_total"
 ACCEPTED_PER_POS_METRIC = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 LORA_INFO_METRIC = "vllm:lora_requests_info"
+CACHE_CONFIG_METRIC = "vllm:cache_config_info"
 _HISTOGRAMS = {
     "ttft": ("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token."),
     "itl": ("vllm:inter_token_latency_seconds", "Time between two generated tokens of one request."),
@@ -80,6 +81,18 @@ class EngineMetrics:
         self._step_failures = failures.Metric(labels=labels)
         self._accepted_per_pos = AcceptedPerPosition(labels)
         self._lora_info = LoRAInfo(labels)
+        self._labels = labels
+        self._cache_info: Any = None
+
+    def describe_cache(self, cache_labels: dict[str, str]) -> None:
+        """vLLM's vllm:cache_config_info gauge (value 1, the cache's settings in its labels): a router's endpoint
+        picker reads block_size from it."""
+        with _LOCK:
+            family = pb_utils.MetricFamily(name=CACHE_CONFIG_METRIC, kind=pb_utils.MetricFamily.GAUGE,
+                                           description="Information of the LLMEngine CacheConfig")
+            self._families.append(family)
+            self._cache_info = family.Metric(labels={**self._labels, **cache_labels})
+            self._cache_info.set(1.0)
 
     def close(self) -> None:
         """Delete the metrics now, while the stub still talks to the server: left to the interpreter's exit,
@@ -89,6 +102,7 @@ class EngineMetrics:
             self._gauges.clear()
             self._histograms.clear()
             self._step_failures = None
+            self._cache_info = None
             self._accepted_per_pos.close()
             self._lora_info.close()
             self._families.clear()
@@ -179,3 +193,16 @@ class LoRAInfo:
     def close(self) -> None:
         self._samples.clear()
         self._family = None
+
+
+def cache_config_labels(cache_config: Any, num_blocks: int) -> dict[str, str]:
+    """vllm:cache_config_info's labels as vLLM writes them (its CacheConfig fields as text): the block size, the
+    block count the memory budget bought (num_gpu_blocks, whatever the device), the KV dtype, prefix caching."""
+    return {
+        "block_size": str(cache_config.block_size),
+        "num_gpu_blocks": str(num_blocks),
+        "num_cpu_blocks": "None",
+        "cache_dtype": str(getattr(cache_config, "kv_cache_dtype", "auto")),
+        "enable_prefix_caching": str(cache_config.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache_config.gpu_memory_utilization),
+    }
