@@ -157,13 +157,19 @@ class ScriptedEngine:
         self.step_seconds = 0.0
         self.steps = 0
         self.loras: dict[str, str] = {}
+        self.images: dict[str, object] = {}  # each added request's images, as the loop passed them
         self._running: dict[str, _Running] = {}
         self._added = 0
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
-                    add_special_tokens: bool = True, priority: int = 0, timeout: float | None = None) -> None:
+                    add_special_tokens: bool = True, priority: int = 0, timeout: float | None = None,
+                    images: object = None) -> None:
         self.calls.append(("add", request_id))
+        if images is not None:  # processed images come as a future, whose refusal is the request's (as LLMEngine)
+            self.images[request_id] = images
+            if isinstance(images, Future):
+                images.result()
         if request_id in self.refuse:
             raise self.refuse[request_id]
         self._added += 1

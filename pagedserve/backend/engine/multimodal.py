@@ -151,6 +151,8 @@ def prompt_with_images(processor: ImageProcessor | None, prompt: object, images:
                                   "image)", FIELD)
     if params.truncate_prompt_tokens is not None:
         raise InvalidRequestError("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
+    if isinstance(images, Future):  # processed on the image thread (process_async): its result or refusal
+        images = images.result()
     processed = images if isinstance(images, ProcessedPrompt) else processor.process(prompt, images,
                                                                                     add_special_tokens)
     num_tokens, max_model_len = len(processed.token_ids), scheduler_config.max_model_len

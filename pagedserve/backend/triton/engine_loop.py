@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from pagedserve.backend.core.errors import ErrorKind, ShuttingDownError
 from pagedserve.backend.core.outputs import RequestOutput
@@ -139,6 +140,8 @@ class EngineLoop:
             # execute() passed it just before the cancel watcher closed the model: end it as the others were.
             self._outbox.put_for(request, SendError(request, ShuttingDownError(SHUTTING_DOWN)))
             return
+        if self._images_pending(request):
+            return
         spec = request.inputs.params.structured_outputs
         if spec:
             # A grammar not compiled yet is compiled on the grammar thread while the engine steps on; the
@@ -151,6 +154,19 @@ class EngineLoop:
                 return
         self._admit(request, watch=True)
 
+    def _images_pending(self, request: InFlight) -> bool:
+        """Start processing the request's images on the image thread while the engine steps on; True while it
+        waits for them, holding no KV (it joins the engine when they are ready, a refusal then its error)."""
+        inputs = request.inputs
+        processor = getattr(self.engine, "image_processor", None)
+        if inputs.images is None or processor is None or isinstance(inputs.images, Future):
+            return False  # a text-only model's engine refuses the images itself
+        inputs.images = processor.process_async(inputs.prompt, inputs.images, inputs.add_special_tokens)
+        self._compiling[request.request_id] = request
+        self._watch.put(request)
+        inputs.images.add_done_callback(lambda _, rid=request.request_id: self.inbox.put(GrammarReady(rid)))
+        return True
+
     def _admit(self, request: InFlight, watch: bool = False) -> None:
         """Add the request to the engine; a refusal is its error response."""
         inputs = request.inputs
@@ -161,7 +177,7 @@ class EngineLoop:
                                                 arrival_time=request.arrival, timeout=inputs.timeout)
             else:
                 self.engine.add_request(request.request_id, inputs.prompt, inputs.params,
-                                        prompt_token_ids=inputs.prompt_token_ids,
+                                        prompt_token_ids=inputs.prompt_token_ids, images=inputs.images,
                                         add_special_tokens=inputs.add_special_tokens, arrival_time=request.arrival,
                                         priority=inputs.priority, timeout=inputs.timeout)
         except Exception as error:  # noqa: BLE001 - every failure becomes this request's error response

@@ -9,6 +9,7 @@ from typing import Any
 from pagedserve.backend.core.errors import InvalidRequestError, json_object
 from pagedserve.backend.core.request import check_priority
 from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.backend.triton.image_inputs import image_input
 from pagedserve.backend.triton.pooling_inputs import EMBEDDING_REQUEST, PoolingInputs, parse_embedding_request
 
 # KServe request parameters that Triton or its clients set for themselves, not sampling settings (the llm
@@ -44,6 +45,7 @@ class LLMRequestInputs:
     add_special_tokens: bool = True
     priority: int = 0  # the scheduling priority (lower first), 0 by default
     timeout: float | None = None  # seconds from arrival until the request ends with a timeout error
+    images: Any = None  # the `image` input's files (image_inputs.py); the engine loop's processing future after
     pooling: PoolingInputs | None = None  # an embedding_request: pooled, not generated
 
     @property
@@ -163,5 +165,6 @@ def parse_llm_request(request: Any, tensors: dict[str, Any] | None = None) -> LL
         add_special_tokens=_bool_input(inputs, "add_special_tokens", default=True),
         priority=priority,
         timeout=_timeout_seconds(request, kserve),
+        images=image_input(inputs),
         **flags,
     )

@@ -30,7 +30,8 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
-                    add_special_tokens: bool = True, priority: int = 0, timeout: float | None = None) -> None: ...
+                    add_special_tokens: bool = True, priority: int = 0, timeout: float | None = None,
+                    images: Any = None) -> None: ...
 
     def add_pooling_request(self, request_id: str, prompt: str | None, params: PoolingParams | None = None,
                             prompt_token_ids: list[int] | None = None, text_pair: str | None = None,

@@ -1,0 +1,78 @@
+"""A vision-language model through tritonserver: the `llm` model's `image` input (Triton's vLLM-backend name:
+base64 image files beside text_input) over gRPC streaming gives the in-process engine's greedy text for the same
+image; bad image input is refused naming the field, and the server serves on with nothing left behind."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.testing import make_tiny_llava, tiny_image
+from tests.support.engines import cpu_engine
+from tests.support.servers import CPU_FP32, RunningTriton, triton_running
+
+pytestmark = pytest.mark.slow
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+PROMPT = "Describe <image> in one line please."
+
+
+def _png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    tiny_image(40, 30, seed=seed).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def llava_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava-server"), "clip", seed=3)
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_path, tmp_path_factory) -> Iterator[RunningTriton]:
+    params = {**CPU_FP32, "max_model_len": "256", "num_blocks": "64"}
+    with triton_running(llava_path, tmp_path_factory.mktemp("llava-server"), params, llm_only=True) as running:
+        yield running
+
+
+def test_image_input_streams_the_engines_greedy_text_for_that_image(llava_server, llava_path):
+    images = [_png(0), _png(1)]
+    request = {"text_input": PROMPT, "sampling_parameters": GREEDY, "exclude_input_in_output": True}
+    texts = []
+    for image in images:
+        streamed = llava_server.grpc_stream("llm", {**request, "stream": True,
+                                                    "image": [base64.b64encode(image).decode()]})
+        whole = llava_server.grpc_stream("llm", {**request, "image": ["data:image/png;base64,"
+                                                                      + base64.b64encode(image).decode()]})
+        assert streamed.error is None and whole.error is None
+        assert "".join(streamed.texts()) == whole.texts()[0]
+        texts.append(whole.texts()[0])
+    engine = cpu_engine(llava_path, num_blocks=32)
+    for index, (image, text) in enumerate(zip(images, texts, strict=True)):
+        engine.add_request(f"r{index}", PROMPT, SamplingParams(**GREEDY), images=[image])
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [out for out in engine.step() if out.finished]
+        assert outputs[0].outputs[0].text == text
+    assert texts[0] != texts[1]  # the image, not only the text, decides the output
+    llava_server.wait_idle()
+
+
+@pytest.mark.parametrize(("image", "field", "words"), [
+    (["%%% not base64"], "image", "not base64"),
+    ([base64.b64encode(b"plain text, not an image").decode()], "images", "not a readable image"),
+    ([base64.b64encode(_png(0)).decode()] * 2, "images", "placeholders"),
+])
+def test_bad_image_input_is_refused_naming_the_field_and_the_server_goes_on(llava_server, image, field, words):
+    request = {"text_input": PROMPT, "sampling_parameters": GREEDY, "stream": True, "image": image}
+    result = llava_server.grpc_stream("llm", request)
+    assert result.error is not None
+    assert words in str(result.error) and f"field={field}" in str(result.error)
+    ok = llava_server.grpc_stream("llm", {**request, "image": [base64.b64encode(_png(0)).decode()]})
+    assert ok.error is None
+    llava_server.wait_idle()
