@@ -137,13 +137,15 @@ struct PortableOps {
     for (int j = 0; j < tile.count; ++j) {
       ahead.issue(lines);
       load_row(tile.keys[j], q.row.data(), p.num_kv_heads * dim);
-      for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
-        const float* kv = q.row.data() + qh / group * dim;
-        const float* qv = q.q.data() + qh * dim;
-        float dot = 0.f;
+      for (int64_t h = 0, qh = 0; h < p.num_kv_heads; ++h) {
+        for (int64_t g = 0; g < group; ++g, ++qh) {
+          const float* kv = q.row.data() + h * dim;
+          const float* qv = q.q.data() + qh * dim;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qv[d] * kv[d];
-        scores[qh * kTile + j] = dot * p.scale;
+          for (int64_t d = 0; d < dim; ++d) dot += qv[d] * kv[d];
+          scores[qh * kTile + j] = dot * p.scale;
+        }
       }
     }
   }
@@ -159,12 +161,14 @@ struct PortableOps {
     for (int j = 0; j < tile.count; ++j) {
       ahead.issue(lines);
       load_row(tile.values[j], q.row.data(), p.num_kv_heads * dim);
-      for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
-        const float* vv = q.row.data() + qh / group * dim;
-        const float w = weights[qh * kTile + j];
-        float* aq = acc + qh * dim;
+      for (int64_t h = 0, qh = 0; h < p.num_kv_heads; ++h) {
+        for (int64_t g = 0; g < group; ++g, ++qh) {
+          const float* vv = q.row.data() + h * dim;
+          const float w = weights[qh * kTile + j];
+          float* aq = acc + qh * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) aq[d] += w * vv[d];
+          for (int64_t d = 0; d < dim; ++d) aq[d] += w * vv[d];
+        }
       }
     }
   }
@@ -344,6 +348,7 @@ void PortableOps::softmax(const Problem& p, int count, float* scores, State& sta
       for (int j = 0; j < count; ++j) s[j] = p.soft_cap * std::tanh(s[j] / p.soft_cap);
     }
     float tile_max = -INFINITY;
+#pragma omp simd reduction(max : tile_max)
     for (int j = 0; j < count; ++j) tile_max = std::max(tile_max, s[j]);
     float& m = state.max[qh];
     if (tile_max > m) {
@@ -357,7 +362,7 @@ void PortableOps::softmax(const Problem& p, int count, float* scores, State& sta
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int j = 0; j < kTile; ++j) {
-      s[j] = j < count ? fast_exp(s[j] - m) : 0.f;
+      s[j] = fast_exp(s[j] - m) * static_cast<float>(j < count);  // lanes past the count hold stale scores
       total += s[j];
     }
     state.sum[qh] += total;
