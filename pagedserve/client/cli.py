@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve, openai, generate, chat, bench.
+"""The `pagedserve` command: serve, openai, generate, chat, bench, embed, rerank.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
 modules are imported lazily so `pagedserve --help` stays fast.
@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pagedserve.client.commands", "generate text for one prompt"),
     "chat": ("pagedserve.client.commands", "interactive chat in the terminal"),
     "bench": ("pagedserve.client.bench", "online load generator (Triton gRPC or an OpenAI URL)"),
+    "embed": ("pagedserve.client.pooling_commands", "embed texts with a pooling model (one JSON line each)"),
+    "rerank": ("pagedserve.client.pooling_commands", "rank documents against a query with a cross-encoder"),
 }
 
 

@@ -128,3 +128,27 @@ def test_rerank_score_and_classify_equal_cross_encoder(reranker):
     answer = httpx.post(f"{url}/rerank", json={"model": model, "query": query, "documents": DOCS, "top_n": 0})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "top_n"
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["capabilities"] == ["classify", "score"]
+
+
+def test_cli_embed_prints_each_texts_embedding(embedder, capsys):
+    from pagedserve.client.cli import main
+
+    running, _ = embedder
+    assert main(["embed", *TEXTS[:2], "--url", running.grpc_url]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    reference = st.SentenceTransformer(str(running.model_path), device="cpu").encode(TEXTS[:2])
+    assert [line["text"] for line in lines] == TEXTS[:2]
+    assert _cosine(np.array([line["embedding"] for line in lines]), reference).min() >= 0.9999
+    assert main(["embed", "hi", "--dimensions", "8", "--url", running.grpc_url]) == 1
+    assert "dimensions" in capsys.readouterr().err
+
+
+def test_cli_rerank_prints_documents_best_first(reranker, capsys):
+    from pagedserve.client.cli import main
+
+    running, _ = reranker
+    assert main(["rerank", "quick fox", *DOCS, "--top-n", "3", "--url", running.grpc_url]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    expected = st.CrossEncoder(str(running.model_path), device="cpu").predict([("quick fox", d) for d in DOCS])
+    assert [int(r[1]) for r in rows] == list(np.argsort(-expected)[:3])
+    assert [r[2] for r in rows] == [DOCS[int(r[1])] for r in rows]
