@@ -51,9 +51,10 @@ def test_encoder_embeddings_equal_sentence_transformers(tmp_path, family, poolin
     assert _all_blocks_free(engine) and not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
-def test_decoder_embeddings_equal_sentence_transformers(tmp_path, pooling):
-    path = make_tiny_decoder_embedding(tmp_path / "qwen3", pooling=pooling)
+@pytest.mark.parametrize(("arch", "pooling"), [("qwen3", "lasttoken"), ("qwen3", "mean"), ("llama", "lasttoken"),
+                                               ("qwen2", "mean")])
+def test_decoder_embeddings_equal_sentence_transformers(tmp_path, arch, pooling):
+    path = make_tiny_decoder_embedding(tmp_path / arch, arch, pooling=pooling)
     # Last-token pooling may run in chunks; mean pooling runs each input whole.
     engine = _engine(path, max_num_batched_tokens=16 if pooling == "lasttoken" else 64)
     outputs = engine.encode(TEXTS[:3] + [TEXTS[2]])  # the repeat may hit the cache's blocks

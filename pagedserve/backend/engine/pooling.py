@@ -4,6 +4,7 @@ pooled vector into the answer (normalised, Matryoshka-truncated, or the classifi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -75,6 +76,7 @@ class PoolingSupport:
         """The scheduler Request of a pooling input; bad input refused naming its field."""
         self.check_task(params.task)
         self._check_dimensions(params)
+        params = dataclasses.replace(params)  # its own copy: a pair's segment bound is this request's
         if text_pair is not None:
             token_ids, params.first_segment_tokens = _tokenize_pair(tokenizer, prompt, text_pair)
         else:
@@ -205,14 +207,12 @@ def run_pooling(engine: Any, inputs: Any, params: PoolingParams | None) -> list[
     try:
         for item in inputs:
             rid = f"encode-{uuid.uuid4().hex}"
-            fresh = None if params is None else PoolingParams(params.task, params.normalize, params.dimensions,
-                                                              params.activation)
             if isinstance(item, tuple):
-                engine.add_pooling_request(rid, item[0], fresh, text_pair=item[1])
+                engine.add_pooling_request(rid, item[0], params, text_pair=item[1])
             elif isinstance(item, str):
-                engine.add_pooling_request(rid, item, fresh)
+                engine.add_pooling_request(rid, item, params)
             else:
-                engine.add_pooling_request(rid, None, fresh, prompt_token_ids=list(item))
+                engine.add_pooling_request(rid, None, params, prompt_token_ids=list(item))
             ids.append(rid)
     except Exception:
         for rid in ids:
