@@ -128,3 +128,21 @@ def test_bad_input_is_refused_naming_the_field(think_shim_url, fields, param, st
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["message"]
+
+
+def test_cancel_stops_a_streamed_response(think_shim_url):
+    body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 400, "stream": True}
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{think_shim_url}/v1/responses", json=body) as reply:
+        lines = (line for line in reply.iter_lines() if line.startswith("data: "))
+        created = json.loads(next(lines)[len("data: "):])
+        response_id = created["response"]["id"]
+        cancelled = http.post(f"{think_shim_url}/v1/responses/{response_id}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        events = [json.loads(line[len("data: "):]) for line in lines]
+    last = events[-1]["response"]
+    assert last["status"] == "cancelled" and last["usage"]["output_tokens"] < 400
+    assert http_get(think_shim_url, response_id)["status"] == "cancelled"
+
+
+def http_get(url: str, response_id: str) -> dict:
+    return httpx.get(f"{url}/v1/responses/{response_id}", timeout=30).json()

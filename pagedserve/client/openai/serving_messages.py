@@ -119,12 +119,19 @@ class MessagesRun:
         return StreamingResponse(self._events(merged), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    def _start(self, input_tokens: int) -> str:
+        message = self.message([], None, None)
+        message["usage"] = {"input_tokens": input_tokens, "output_tokens": 0}
+        return _sse("message_start", {"type": "message_start", "message": message})
+
     async def _events(self, merged: AsyncIterator[Any]) -> AsyncIterator[str]:
         blocks = BlockWriter()
-        yield _sse("message_start", {"type": "message_start", "message": self.message([], None, None)})
-        finish, failed = None, None
+        finish, failed, started = None, None, False
         try:
             async for prompt_index, response in merged:
+                if not started:  # sent with the first llm response, which knows the prompt's length
+                    started = True
+                    yield self._start(response.num_input_tokens or 0)
                 for chunk in self.generation._response_chunks(prompt_index, response):
                     for choice in chunk["choices"]:
                         for name, event in blocks.delta(choice["delta"]):
@@ -134,6 +141,8 @@ class MessagesRun:
             failed = triton_api_error(error, self.generation.request.param_renames)
         finally:
             await merged.aclose()
+        if not started:
+            yield self._start(0)
         if failed is not None:
             yield _sse("error", anthropic_error(failed))
             return
@@ -142,7 +151,8 @@ class MessagesRun:
         usage = self.generation.usage()
         reason = _STOP_REASONS.get(finish or "stop", "end_turn")
         yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
-                                     "usage": {"output_tokens": usage["completion_tokens"]}})
+                                     "usage": {"input_tokens": usage["prompt_tokens"],
+                                               "output_tokens": usage["completion_tokens"]}})
         yield _sse("message_stop", {"type": "message_stop"})
 
 
