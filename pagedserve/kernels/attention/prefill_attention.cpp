@@ -52,6 +52,7 @@ struct Workspace {
   std::vector<float> qf, kt, vf, scores, probs, o, m, l;
   std::vector<uint16_t> qb, pb;
   std::vector<uint32_t> kp, vp;
+  std::vector<int64_t> row_pos;  // position of each stacked row's query (no division per row and tile)
 };
 
 inline int64_t first_visible(const Problem& pb, int64_t pos) {
@@ -99,7 +100,7 @@ bool softmax_block(const Problem& pb, const Item& it, int64_t r0, int64_t k0, fl
     const int64_t r = r0 + rr;
     float* srow = s + rr * kKeys;
     P* prow = p + rr * kKeys;
-    const int64_t pos = it.pos0 + r / pb.group;
+    const int64_t pos = ws.row_pos[r];
     const int64_t lo = r < it.rows ? std::max<int64_t>(first_visible(pb, pos) - k0, 0) : kKeys;
     const int64_t hi = r < it.rows ? std::min<int64_t>(pos + 1 - k0, kKeys) : 0;
     if (lo >= hi) {
@@ -158,7 +159,10 @@ void store_output(const Problem& pb, const Item& it, const Workspace& ws) {
   }
 }
 
-void reset_state(const Item& it, int64_t head_dim, Workspace& ws) {
+void reset_state(const Problem& pb, const Item& it, Workspace& ws) {
+  const int64_t head_dim = pb.head_dim;
+  ws.row_pos.resize(it.padded);
+  for (int64_t r = 0; r < it.padded; ++r) ws.row_pos[r] = it.pos0 + r / pb.group;
   ws.o.assign(it.padded * head_dim, 0.f);
   ws.m.assign(it.padded, -INFINITY);
   ws.l.assign(it.padded, 0.f);
@@ -187,7 +191,7 @@ void pack_tile_f32(const Problem& pb, const Item& it, int64_t k0, Workspace& ws)
 template <typename T>
 void run_item_f32(const Problem& pb, const Item& it, Workspace& ws) {
   const int64_t d = pb.head_dim;
-  reset_state(it, d, ws);
+  reset_state(pb, it, ws);
   ws.qf.assign(it.padded * d, 0.f);
   ws.kt.resize(d * kKeys);
   ws.vf.resize(kKeys * d);
@@ -230,7 +234,7 @@ void run_item_f32(const Problem& pb, const Item& it, Workspace& ws) {
 }
 
 #ifdef PAGEDSERVE_PREFILL_AMX
-// Eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 the A operand, 5 the B operand.
+// Eight tiles of 16 rows x 64 bytes: 0-3 accumulators, 4 the A operand, 5-7 the B operand.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
@@ -243,70 +247,78 @@ bool amx_permitted() {
   return permitted;
 }
 
-// fast_exp (cpu_common.h) sixteen lanes at a time, the same clamp and reduction but degree 5 (relative error
-// below 3e-6, far under the bf16 rounding the probabilities then take).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+// 2^t on the lanes of `keep` (0 elsewhere): 2^round(t) * 2^f, f in [-0.5, 0.5], degree 5 (relative error below
+// 3e-6, far under the bf16 rounding the probabilities then take); scalef takes any exponent, so no clamp.
+inline __m512 exp2_16(__mmask16 keep, __m512 t) {
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, whole), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 120.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  const __m512 f = _mm512_sub_ps(t, whole);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^k / k!, k = 5 .. 0
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, whole);
+  return _mm512_maskz_scalef_ps(keep, p, whole);
 }
 
-// Lanes 16i..16i+15 of a row that fall in [lo, hi).
+// Lanes 16i..16i+15 of a row that fall in [lo, hi) (all of them for a row that sees the whole tile, the common
+// case past the first tiles: no scalar work competing with the vector ports).
 inline __mmask16 lane_mask(int64_t i, int64_t lo, int64_t hi) {
+  if (lo == 0 && hi == kKeys) return 0xffff;
   const int64_t a = std::clamp<int64_t>(lo - 16 * i, 0, 16), b = std::clamp<int64_t>(hi - 16 * i, 0, 16);
   return static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
 }
 
-// softmax_block for bf16 probabilities without a soft cap, in AVX-512 (the compiler's masked loops were slow).
+// softmax_block for bf16 probabilities without a soft cap, in AVX-512: the maximum over the raw dot products
+// (the scale is positive), then exp(scale * s - m) as 2^(s * scale * log2 e - m * log2 e), one FMA per lane.
+// Two passes over the block's rows (maxima, then exponentials): no row waits on the previous one's reductions.
 bool softmax_block_avx512(const Problem& pb, const Item& it, int64_t r0, int64_t k0, Workspace& ws) {
   constexpr int64_t kVecs = kKeys / 16;
-  const int64_t d = pb.head_dim;
-  const __m512 scale = _mm512_set1_ps(pb.scale);
+  constexpr float kLog2e = 1.44269504088896341f;
+  int64_t lo[kRows], hi[kRows];
+  float alpha[kRows];
   bool any = false;
   for (int64_t rr = 0; rr < kRows; ++rr) {
-    const int64_t r = r0 + rr, pos = it.pos0 + r / pb.group;
-    const int64_t lo = r < it.rows ? std::max<int64_t>(first_visible(pb, pos) - k0, 0) : kKeys;
-    const int64_t hi = r < it.rows ? std::min<int64_t>(pos + 1 - k0, kKeys) : 0;
+    const int64_t r = r0 + rr, pos = ws.row_pos[r];
+    lo[rr] = r < it.rows ? std::max<int64_t>(first_visible(pb, pos) - k0, 0) : kKeys;
+    hi[rr] = r < it.rows ? std::min<int64_t>(pos + 1 - k0, kKeys) : 0;
+    if (lo[rr] >= hi[rr]) continue;
+    any = true;
+    const float* srow = ws.scores.data() + rr * kKeys;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < kVecs; ++i) {
+      top = _mm512_mask_max_ps(top, lane_mask(i, lo[rr], hi[rr]), top, _mm512_loadu_ps(srow + 16 * i));
+    }
+    const float m_old = ws.m[r], m_new = std::max(m_old, _mm512_reduce_max_ps(top) * pb.scale);
+    // Past the first tiles the maximum seldom moves: no scalar exp then.
+    alpha[rr] = m_new == m_old ? 1.f : (m_old == -INFINITY ? 0.f : fast_exp(m_old - m_new));
+    ws.m[r] = m_new;
+  }
+  for (int64_t rr = 0; rr < kRows; ++rr) {
     uint16_t* prow = ws.pb.data() + rr * kKeys;
-    if (lo >= hi) {
+    if (lo[rr] >= hi[rr]) {
       std::memset(prow, 0, kKeys * sizeof(uint16_t));
       continue;
     }
-    any = true;
+    const int64_t r = r0 + rr;
     const float* srow = ws.scores.data() + rr * kKeys;
-    __m512 v[kVecs];
-    __mmask16 mask[kVecs];
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < kVecs; ++i) {
-      mask[i] = lane_mask(i, lo, hi);
-      v[i] = _mm512_mul_ps(_mm512_loadu_ps(srow + 16 * i), scale);
-      top = _mm512_mask_max_ps(top, mask[i], top, v[i]);
-    }
-    const float m_new = std::max(ws.m[r], _mm512_reduce_max_ps(top));
-    const float alpha = ws.m[r] == -INFINITY ? 0.f : fast_exp(ws.m[r] - m_new);
-    const __m512 shift = _mm512_set1_ps(m_new);
+    const __m512 mul = _mm512_set1_ps(pb.scale * kLog2e), shift = _mm512_set1_ps(-ws.m[r] * kLog2e);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < kVecs; ++i) {
-      v[i] = _mm512_maskz_mov_ps(mask[i], exp16(_mm512_sub_ps(v[i], shift)));
-      sum = _mm512_add_ps(sum, v[i]);
-    }
     for (int64_t i = 0; i < kVecs; i += 2) {
-      _mm512_storeu_si512(prow + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(v[i + 1], v[i]));
+      const __m512 e0 = exp2_16(lane_mask(i, lo[rr], hi[rr]),
+                                _mm512_fmadd_ps(_mm512_loadu_ps(srow + 16 * i), mul, shift));
+      const __m512 e1 = exp2_16(lane_mask(i + 1, lo[rr], hi[rr]),
+                                _mm512_fmadd_ps(_mm512_loadu_ps(srow + 16 * i + 16), mul, shift));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(prow + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
-    ws.l[r] = ws.l[r] * alpha + _mm512_reduce_add_ps(sum);
-    ws.m[r] = m_new;
-    if (alpha != 1.f) {
-      float* orow = ws.o.data() + r * d;
-      const __m512 a = _mm512_set1_ps(alpha);
-      for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), a));
+    ws.l[r] = ws.l[r] * alpha[rr] + _mm512_reduce_add_ps(sum);
+    if (alpha[rr] != 1.f) {
+      float* orow = ws.o.data() + r * pb.head_dim;
+      const __m512 a = _mm512_set1_ps(alpha[rr]);
+      for (int64_t c = 0; c < pb.head_dim; c += 16) {
+        _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), a));
+      }
     }
   }
   return any;
@@ -324,9 +336,13 @@ void pack_tile_amx(const Problem& pb, const Item& it, int64_t k0, Workspace& ws)
       const bool valid = pos >= it.key_begin && pos < it.key_end;
       rows[0][e] = valid ? cache_row<uint16_t>(pb.key_cache, pb, pos, it.head) : zeros;
       rows[1][e] = valid ? cache_row<uint16_t>(pb.value_cache, pb, pos, it.head) : zeros;
-      if (pos + kKeys < it.key_end) {  // the next tile's rows, while this one's are packed (cache misses)
-        __builtin_prefetch(cache_row<uint16_t>(pb.key_cache, pb, pos + kKeys, it.head));
-        __builtin_prefetch(cache_row<uint16_t>(pb.value_cache, pb, pos + kKeys, it.head));
+      if (pos + kKeys < it.key_end) {  // the next tile's rows (every line), while this one's are packed
+        const char* k_next = reinterpret_cast<const char*>(cache_row<uint16_t>(pb.key_cache, pb, pos + kKeys, it.head));
+        const char* v_next = reinterpret_cast<const char*>(cache_row<uint16_t>(pb.value_cache, pb, pos + kKeys, it.head));
+        for (int64_t line = 0; line < pb.head_dim * 2; line += 64) {
+          __builtin_prefetch(k_next + line);
+          __builtin_prefetch(v_next + line);
+        }
       }
     }
     for (int64_t e = 0; e < 2; ++e) {
@@ -352,13 +368,14 @@ void scores_amx(const Problem& pb, int64_t r0, Workspace& ws) {
     for (int64_t c = 0; c < d / 32; ++c) {
       _tile_loadd(4, ws.qb.data() + r0 * d + c * 32, d * 2);
       const uint32_t* b = ws.kp.data() + c * 16 * kKeys + k;
+      // B rotates over three tiles: a load need not wait for the product just issued to release its tile.
       _tile_loadd(5, b, kKeys * 4);
+      _tile_loadd(6, b + 16, kKeys * 4);
       _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, b + 16, kKeys * 4);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, b + 32, kKeys * 4);
-      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(7, b + 32, kKeys * 4);
+      _tile_dpbf16ps(1, 4, 6);
       _tile_loadd(5, b + 48, kKeys * 4);
+      _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 4, 5);
     }
     float* s = ws.scores.data() + k;
@@ -382,12 +399,12 @@ void accumulate_amx(const Problem& pb, int64_t r0, Workspace& ws) {
       _tile_loadd(4, ws.pb.data() + kc * 32, kKeys * 2);
       const uint32_t* b = ws.vp.data() + kc * 16 * d + half;
       _tile_loadd(5, b, d * 4);
+      _tile_loadd(6, b + 16, d * 4);
       _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, b + 16, d * 4);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, b + 32, d * 4);
-      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(7, b + 32, d * 4);
+      _tile_dpbf16ps(1, 4, 6);
       _tile_loadd(5, b + 48, d * 4);
+      _tile_dpbf16ps(2, 4, 7);
       _tile_dpbf16ps(3, 4, 5);
     }
     _tile_stored(0, o, d * 4);
@@ -399,7 +416,7 @@ void accumulate_amx(const Problem& pb, int64_t r0, Workspace& ws) {
 
 void run_item_amx(const Problem& pb, const Item& it, Workspace& ws) {
   const int64_t d = pb.head_dim;
-  reset_state(it, d, ws);
+  reset_state(pb, it, ws);
   ws.qb.assign(it.padded * d, 0);
   ws.kp.resize(d / 2 * kKeys);
   ws.vp.resize(kKeys / 2 * d);
