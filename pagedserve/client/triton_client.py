@@ -71,6 +71,7 @@ def build_inputs(
     stream: bool,
     return_logprobs: bool,
     add_special_tokens: bool = True,
+    images: list[str] | None = None,
 ) -> list[grpcclient.InferInput]:
     """The input tensors of one `llm` request, exactly as docs/interfaces.md names them."""
     if (prompt is None) == (input_ids is None):
@@ -95,6 +96,8 @@ def build_inputs(
     }
     for name, value in flags.items():
         tensors.append((name, np.array([value], dtype=bool), "BOOL"))
+    if images:  # base64 image files, in the prompt's placeholder order
+        tensors.append(("image", np.array([image.encode("ascii") for image in images], dtype=np.object_), "BYTES"))
     inputs = []
     for name, array, dtype in tensors:
         tensor = grpcclient.InferInput(name, list(array.shape), dtype)
@@ -169,6 +172,7 @@ class TritonLLMClient:
         return_logprobs: bool = False,
         request_id: str = "",
         add_special_tokens: bool = True,
+        images: list[str] | None = None,
     ) -> AsyncIterator[LLMResponse]:
         """Send one request and yield its responses until every sequence has finished.
 
@@ -177,7 +181,7 @@ class TritonLLMClient:
         cancels the request on the server.
         """
         inputs = build_inputs(prompt, input_ids, sampling_parameters or {}, stream, return_logprobs,
-                              add_special_tokens)
+                              add_special_tokens, images)
 
         async def requests():
             yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}

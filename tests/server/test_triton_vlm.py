@@ -76,3 +76,35 @@ def test_bad_image_input_is_refused_naming_the_field_and_the_server_goes_on(llav
     ok = llava_server.grpc_stream("llm", {**request, "image": [base64.b64encode(_png(0)).decode()]})
     assert ok.error is None
     llava_server.wait_idle()
+
+
+def test_openai_chat_image_url_data_part_gives_the_engines_text(llava_server, llava_path):
+    import openai
+    from transformers import AutoTokenizer
+
+    image = _png(2)
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": url}},
+               {"type": "text", "text": " in one line please."}]
+    with llava_server.openai_shim() as base_url:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=12,
+                                               temperature=0.0, messages=[{"role": "user", "content": content}],
+                                               extra_body={"ignore_eos": True})
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=client.models.list().data[0].id, max_tokens=4,
+                messages=[{"role": "user", "content": [{"type": "image_url",
+                                                        "image_url": {"url": "http://127.0.0.1/x.png"}}]}])
+        assert refused.value.body["param"] == "messages[0].content[0].image_url.url"
+    tokenizer = AutoTokenizer.from_pretrained(str(llava_path), local_files_only=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Describe <image> in one line please."}],
+                                           tokenize=False, add_generation_prompt=True)
+    engine = cpu_engine(llava_path, num_blocks=32)
+    engine.add_request("chat", prompt, SamplingParams(**GREEDY), images=[image], add_special_tokens=False)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [out for out in engine.step() if out.finished]
+    assert reply.choices[0].message.content == outputs[0].outputs[0].text
+    assert reply.usage.prompt_tokens == len(outputs[0].prompt_token_ids) > 16
+    llava_server.wait_idle()

@@ -24,6 +24,7 @@ from pagedserve.client.openai.fields import (
     SAMPLING_FIELDS,
     STRUCTURED_FIELDS,
 )
+from pagedserve.client.openai.images import image_part_text, message_images
 from pagedserve.client.openai.reasoning.choice import ReasoningRequest
 from pagedserve.client.openai.reasoning.fields import ReasoningFields, parse_reasoning_fields
 from pagedserve.client.openai.tools import (
@@ -95,6 +96,7 @@ class ChatRequest(GenerationRequest):
     options: ChatOptions = field(default_factory=ChatOptions)
     reasoning_fields: ReasoningFields = field(default_factory=ReasoningFields)
     reasoning: ReasoningRequest | None = None  # the split of thinking from answer, once the prompt is rendered
+    images: list[str] = field(default_factory=list)  # base64 image files of image_url parts, in order
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:
@@ -159,6 +161,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
                           _add_special_tokens(body, default=False), param_renames=renames, messages=messages,
                           tools=tools, options=parse_chat_options(body, messages),
                           reasoning_fields=parse_reasoning_fields(body))
+    request.images = message_images(body["messages"])
     if request.reasoning_fields.effort is not None:  # for templates that read it (gpt-oss's)
         request.options.template_kwargs.setdefault("reasoning_effort", request.reasoning_fields.effort)
     _validate_sampling(request)
@@ -227,8 +230,11 @@ def _message_text(content: Any, where: str, allow_none: bool) -> str:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                parts.append(image_part_text(part, f"{where}[{j}]"))
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"'{where}[{j}]' must be a text part (only text content is supported)",
+                raise bad_request(f"'{where}[{j}]' must be a text or image_url part",
                                   f"{where}[{j}]")
             parts.append(part["text"])
         return "".join(parts)

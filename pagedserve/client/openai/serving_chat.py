@@ -6,6 +6,7 @@ from __future__ import annotations
 from pagedserve.client.openai.chat_options import echoed_text
 from pagedserve.client.openai.formats import chat_logprobs
 from pagedserve.client.openai.generation import ChoiceState, Generation, SequenceUpdate
+from pagedserve.client.openai.images import with_placeholders
 from pagedserve.client.openai.protocol import ChatRequest, parse_chat_request
 from pagedserve.client.openai.reasoning import Split
 from pagedserve.client.openai.reasoning.choice import ChoiceReasoning
@@ -51,6 +52,7 @@ class ChatGeneration(Generation):
         parser = shim.reasoning_parser
         end_ids = [] if parser is None else await shim.reasoning_end_ids(parser)
         request.reasoning = reasoning_request(parser, request.reasoning_fields, prompt, request.sampling, end_ids)
+        prompt = with_placeholders(prompt, await shim.model_dir())  # each image part's marker: the model's own
         request.stream_upstream = request.reasoning is not None  # per-step counts: the reasoning's tokens
         return [prompt]
 

@@ -165,6 +165,7 @@ class OpenAIShim:
                     return_logprobs=request.logprobs is not None,
                     request_id=f"{request_id}-{i}",
                     add_special_tokens=request.add_special_tokens,
+                    images=getattr(request, "images", None),
                 )
             )
         return streams

@@ -1,0 +1,75 @@
+"""Chat content parts that carry images: `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`.
+Each part stands in the message's text as a marker until the chat template has rendered the messages; the markers
+then become the model's own image placeholder (its processor's `image_token`), and the images go to the `llm`
+model's `image` input in prompt order. http(s) URLs are not fetched (refused naming the part's url)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from pagedserve.client.openai.errors import bad_request
+
+IMAGE_MARKER = "\x00pagedserve-image\x00"  # a text holding it makes a placeholder count the engine refuses
+MAX_IMAGES = 16  # the llm model's limit a request (triton/image_inputs.py)
+
+
+def image_part_text(part: dict, where: str) -> str:
+    """The marker an image_url part leaves in its message's text, once its URL is checked."""
+    url = _url(part, where)
+    header, _, payload = url.partition(",")
+    if not (header.startswith("data:image/") and header.endswith(";base64")) or not payload:
+        raise bad_request("image_url.url must be a data:image/...;base64, URL (pagedserve fetches no http(s) "
+                          "images)", f"{where}.image_url.url")
+    try:
+        base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request("image_url.url's data is not base64", f"{where}.image_url.url") from None
+    return IMAGE_MARKER
+
+
+def message_images(messages: list[Any]) -> list[str]:
+    """The base64 payloads of every image_url part of the (checked) messages, in order."""
+    images = [part["image_url"]["url"].partition(",")[2] if isinstance(part["image_url"], dict)
+              else part["image_url"].partition(",")[2]
+              for message in messages if isinstance(message.get("content"), list)
+              for part in message["content"] if isinstance(part, dict) and part.get("type") == "image_url"]
+    if len(images) > MAX_IMAGES:
+        raise bad_request(f"at most {MAX_IMAGES} images a request, got {len(images)}", "messages")
+    return images
+
+
+def with_placeholders(prompt: str, model_dir: str | Path) -> str:
+    """The rendered prompt with each image marker replaced by the model's image placeholder; a model without
+    one (no processor) takes no images."""
+    if IMAGE_MARKER not in prompt:
+        return prompt
+    placeholder = image_placeholder(str(model_dir))
+    if placeholder is None:
+        raise bad_request("this model takes no images (its folder has no processor with an image token)",
+                          "messages")
+    return prompt.replace(IMAGE_MARKER, placeholder)
+
+
+@functools.cache
+def image_placeholder(model_dir: str) -> str | None:
+    """The model processor's image token (processor_config.json, else tokenizer_config.json); None without."""
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        config = Path(model_dir) / name
+        if config.is_file():
+            token = json.loads(config.read_text()).get("image_token")
+            if isinstance(token, str) and token:
+                return token
+    return None
+
+
+def _url(part: dict, where: str) -> str:
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str):
+        raise bad_request("an image_url part needs image_url.url, a string", where)
+    return url

@@ -1,0 +1,53 @@
+"""The shim's image_url content parts: data URLs become the model's placeholders (after the chat template) and
+the llm model's image input, in order; other URLs and bad data are refused naming the part's url."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from pagedserve.client.openai.errors import APIError
+from pagedserve.client.openai.images import IMAGE_MARKER, image_placeholder, with_placeholders
+from pagedserve.client.openai.protocol import parse_chat_request
+
+PNG = base64.b64encode(b"\x89PNG fake").decode()
+
+
+def _chat(*parts: dict) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": list(parts)}]}
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_data_url_parts_become_markers_and_images_in_order():
+    other = base64.b64encode(b"GIF89a fake").decode()
+    request = parse_chat_request(_chat({"type": "text", "text": "a "}, _image(f"data:image/png;base64,{PNG}"),
+                                       {"type": "text", "text": " b "}, _image(f"data:image/gif;base64,{other}")))
+    assert request.messages[0]["content"] == f"a {IMAGE_MARKER} b {IMAGE_MARKER}"
+    assert request.images == [PNG, other]
+
+
+@pytest.mark.parametrize("url", ["http://example.com/cat.png", "data:image/png,rawbytes", "data:text/plain;base64,"
+                                 + PNG, "data:image/png;base64,***"])
+def test_other_urls_and_bad_data_are_refused_naming_the_url(url):
+    with pytest.raises(APIError) as info:
+        parse_chat_request(_chat(_image(url)))
+    assert info.value.param == "messages[0].content[0].image_url.url"
+
+
+def test_markers_become_the_models_image_token(tmp_path):
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
+    assert with_placeholders(f"x {IMAGE_MARKER} y", tmp_path) == "x <image> y"
+    assert with_placeholders("no images", tmp_path / "missing") == "no images"
+
+
+def test_a_model_without_an_image_token_refuses_images(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert image_placeholder(str(tmp_path)) is None
+    with pytest.raises(APIError, match="takes no images") as info:
+        with_placeholders(IMAGE_MARKER, tmp_path)
+    assert info.value.param == "messages"
