@@ -53,9 +53,9 @@ def test_a_batch_is_positional_and_its_events_are_maps_tagged_by_type():
          {"type": "AllBlocksCleared"}],
         3,
     ]
-    # Hashes are unsigned 64-bit (a router refuses negative ones): the largest packs as a msgpack uint64.
+    # Hashes fit a non-negative int64: vllm-router refuses negative ones, Dynamo's relay reads int64.
     big = external_hash(b"\xff" * 16)
-    assert msgpack.unpackb(encode_batch([BlockRemoved([big])], 0.0, 0))[1][0]["block_hashes"] == [2**64 - 1]
+    assert msgpack.unpackb(encode_batch([BlockRemoved([big])], 0.0, 0))[1][0]["block_hashes"] == [2**63 - 1]
 
 
 def test_data_parallel_ranks_offset_the_port_as_vllm_does():
@@ -147,3 +147,46 @@ def test_the_engine_publishes_its_prefix_cache_and_reset(tiny_llama_path):
 
 def _asdict(config: KVEventsConfig) -> dict:
     return {"enable_kv_cache_events": True, "endpoint": config.endpoint.replace("127.0.0.1", "*")}
+
+
+def _check_dynamo_relay_schema(payload: bytes) -> list[dict]:
+    """What Dynamo's KvEventPublisher in ZMQ relay mode reads (its docs' "ZMQ Wire Format"): a positional
+    [timestamp, [events], dp_rank], each event a dict tagged by type, hashes as int64."""
+    int64 = range(-(2**63), 2**63)
+    timestamp, events, dp_rank = msgpack.unpackb(payload)
+    assert isinstance(timestamp, float) and isinstance(dp_rank, int)
+    for event in events:
+        if event["type"] == "BlockStored":
+            assert all(h in int64 for h in event["block_hashes"]) and event["block_size"] > 0
+            assert event["parent_block_hash"] is None or event["parent_block_hash"] in int64
+            assert len(event["token_ids"]) == len(event["block_hashes"]) * event["block_size"]
+            assert event["lora_id"] is None or isinstance(event["lora_id"], int)
+        elif event["type"] == "BlockRemoved":
+            assert all(h in int64 for h in event["block_hashes"])
+        else:
+            assert event == {"type": "AllBlocksCleared"}
+    return events
+
+
+def test_a_workloads_event_stream_reads_as_dynamos_zmq_relay_reads_it(tiny_llama_path):
+    # ai-dynamo does not install here (a dependency downloads at install time): replay our stream through its
+    # documented relay schema instead, from a workload that stores, evicts and clears.
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+
+    config = _config()
+    engine = LLMEngine.from_pretrained(str(tiny_llama_path), dtype="float32", device="cpu", block_size=4,
+                                       num_blocks=24, kv_events_config=_asdict(config))
+    sub = _subscribe(config.endpoint)
+    time.sleep(0.3)
+    try:
+        prompts = [[5 + i] * 3 + list(range(30 + 7 * i, 50 + 7 * i)) for i in range(6)]
+        engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+        engine.reset_prefix_cache()
+        kinds = []
+        while sub.poll(1000):
+            kinds += [event["type"] for event in _check_dynamo_relay_schema(sub.recv_multipart()[2])]
+        assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= set(kinds)
+    finally:
+        sub.close(0)
+        engine.shutdown()

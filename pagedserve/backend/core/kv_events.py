@@ -6,7 +6,8 @@ reset; the engine publishes them after each step (engine/kv_events.py). `KVEvent
 `--kv-events-config` with its field names.
 
 Block hashes on the wire are `external_hash` of the engine's own digests: the first 8 bytes of
-`block_manager.hash_block_tokens`'s blake2b-128 (big-endian, unsigned). That digest has no random seed, so
+`block_manager.hash_block_tokens`'s blake2b-128 read big-endian, top bit cleared (a non-negative int64, which
+both vllm-router (unsigned) and Dynamo's relay (signed int64) read). That digest has no random seed, so
 a block's hash is the same across restarts and replicas: blake2b(digest_size=16) over the parent's 16-byte
 digest (16 zero bytes for a first block), the block's token ids as int64 in the machine's byte order (little-endian on x86 and ARM), and for a first block
 with a cache salt or a LoRA adapter `b"salt:" + key` (`block_manager.first_block_key`).
@@ -24,8 +25,8 @@ PUBLISHERS = ("null", "zmq")
 
 
 def external_hash(digest: bytes) -> int:
-    """A block digest as the unsigned 64-bit integer events carry (routers key their index by it)."""
-    return int.from_bytes(digest[:8], "big")
+    """A block digest as the non-negative 63-bit integer events carry (routers key their index by it)."""
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
 @dataclass(slots=True)
