@@ -67,6 +67,19 @@ def test_bf16_activations_are_summed_in_fp32_and_rounded_once(bits, group_size, 
     assert (rounded_weight - exact).abs().max() > (out.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 5])  # int4 takes the bf16 dot products at every row count
+@pytest.mark.parametrize(("bits", "group_size", "offsets"), [x for x in LAYOUTS if x[0] == 4])
+def test_int4_bf16_activations_at_few_rows_round_the_fp32_sums_once(bits, group_size, offsets, m):
+    w = _weight(37, 256, bits, group_size, offsets, half=True, seed=m)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).bfloat16()
+    out = cpu.quant_linear(x, w).double()
+    exact = _exact(x, w)
+    assert ((out - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    # The fp32 path on the same (bf16-exact) inputs, rounded once to bf16: the sums differ only in their order.
+    fp32 = cpu.quant_linear(x.float(), w).bfloat16().double()
+    assert ((out - fp32).abs() <= fp32.abs() * 2**-7 + 1e-6).all()
+
+
 def test_leading_dims_bias_and_an_empty_batch():
     w = _weight(40, 64, 4, 32, True, half=True)
     bias = torch.randn(40)
@@ -118,3 +131,25 @@ def test_layouts_it_does_not_serve_fall_back():
     assert not native_gemm.fits(w3)
     x = torch.randn(2, 90)
     assert torch.equal(cpu.quant_linear(x, w3), reference.quant_linear(x, w3))
+
+
+def test_int4_words_hold_each_row_s_eight_k_in_nibble_order():
+    k = torch.arange(64)
+    q = ((k[None, :] + 3 * torch.arange(20)[:, None]) % 16).to(torch.int32)  # row r, column k: (k + 3r) % 16
+    w = ql.from_int_values(q, torch.ones(20, 2).half(), None, 4, 32)
+    words = native_gemm.pack(w).q  # [tiles, K / 8, 16, 4] bytes
+    assert tuple(words.shape) == (2, 8, 16, 4)
+    row, chunk = 5, 3
+    word = int.from_bytes(bytes(words[0, chunk, row].tolist()), "little")
+    nibbles = [(word >> (4 * i)) & 15 for i in range(8)]
+    assert nibbles == [(chunk * 8 + native_gemm.NIBBLE_K[i] + 3 * row) % 16 for i in range(8)]
+    assert torch.equal(native_gemm.unpacker(native_gemm.pack(w), w)(None), q)
+
+
+def test_int4_groups_that_are_not_whole_words_fall_back():
+    w = _weight(16, 96, 4, 32, True, half=True)
+    w4 = ql.from_int_values(w.int_values(), w.scales.repeat_interleave(8, dim=1), w.offsets.repeat_interleave(8, dim=1),
+                            4, 4)  # groups of 4 values: half a word
+    assert not native_gemm.fits(w4)
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(cpu.quant_linear(x, w4), reference.quant_linear(x, w4), rtol=1e-5, atol=1e-5)

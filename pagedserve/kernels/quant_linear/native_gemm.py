@@ -1,7 +1,8 @@
 """The native weight-only GEMM for few activation rows (`quant_gemm.cpp`): its packed layout and its call.
 
-The weight is packed once into tiles of 16 output rows, k-major inside a tile (one vector lane per output row),
-scales and offsets beside it per tile and group: as int8 steps times an fp16 per super-block where the weight
+The weight is packed once into tiles of 16 output rows, k-major inside a tile (one vector lane per output row;
+int4: one 32-bit word per row and 8 k, its nibbles in NIBBLE_K's order), scales and offsets beside it per tile and
+group: as int8 steps times an fp16 per super-block where the weight
 carries that factoring (GGUF K-quants), else fp16 where that holds them exactly, else fp32.
 """
 
@@ -17,10 +18,15 @@ from pagedserve.kernels.native.split import RangeSplitter
 from pagedserve.kernels.quant_linear.layout import QuantizedWeight
 
 TILE = 16
+# int4: the k (from the word's first) each nibble of a row's 32-bit word holds, nibble 0 the lowest (kNibbleK in
+# quant_gemm.cpp): a 16-bit shift by 4i then gives the pair (2i, 2i + 1) in each word's halves.
+NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)
+_NIBBLE_OF_K = tuple(NIBBLE_K.index(k) for k in range(8))
 _gemm = native.Function(
     "pagedserve_quant_gemm",
     [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_int],
-    {2: "native quantized GEMM: bits must be 4 or 8", 3: "native quantized GEMM: K must be whole (even) groups",
+    {2: "native quantized GEMM: bits must be 4 or 8",
+     3: "native quantized GEMM: K must be whole groups (int4: groups of a multiple of 8)",
      4: "native quantized GEMM: scale steps need whole super-blocks of groups"},
 )
 # How the tiles hold scales and offsets (ParamsKind in quant_gemm.cpp).
@@ -32,7 +38,7 @@ _DTYPE_CODES = {torch.float32: native.dtype_code(torch.empty(0)),
 
 
 class NativePacked(NamedTuple):
-    """The packed integers [tiles, K or K/2, 16], per-tile scales/offsets [tiles, groups, 16] (fp32, fp16 or int8
+    """The packed integers [tiles, K, 16] (int8) or [tiles, K / 8, 16, 4] (int4 words), per-tile scales/offsets [tiles, groups, 16] (fp32, fp16 or int8
     steps) with, for steps, their fp16 per super-block [tiles, groups / per_super, 16], and the kernel's per-weight
     arguments (pointers and sizes) worked out once."""
 
@@ -47,9 +53,9 @@ class NativePacked(NamedTuple):
 
 
 def fits(weight: QuantizedWeight) -> bool:
-    """True when the native kernel serves this layout (whole groups; int4 groups of whole bytes) and it loads."""
+    """True when the native kernel serves this layout (whole groups; int4 groups of whole words) and it loads."""
     k, size = weight.in_features, weight.group_size
-    whole = k % size == 0 and (weight.bits == 8 or size % 2 == 0)
+    whole = k % size == 0 and (weight.bits == 8 or size % 8 == 0)
     return whole and weight.device.type == "cpu" and native.load() is not None
 
 
@@ -74,8 +80,7 @@ def pack(weight: QuantizedWeight) -> NativePacked:
     if weight.bits == 8:
         packed = _tiles(q.to(torch.int8))
     else:
-        q = q.to(torch.uint8)
-        packed = _tiles(q[:, 0::2] | (q[:, 1::2] << 4))
+        packed = _int4_words(q.to(torch.uint8))
     factors = weight.factors
     if factors is not None:
         scales, offsets = _tiles(factors.scale_steps), _optional_tiles(factors.offset_steps)
@@ -90,6 +95,14 @@ def pack(weight: QuantizedWeight) -> NativePacked:
     return NativePacked(packed, scales, offsets, supers, kind, per_super, args)
 
 
+def _int4_words(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> [tiles, K / 8, 16, 4] bytes: per tile, 8 k and 16 rows, each row's word little-endian
+    with nibble i holding k0 + NIBBLE_K[i]."""
+    nibbles = q.view(q.shape[0], -1, 8)[:, :, list(NIBBLE_K)]
+    words = nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)  # [N, K / 8, 4] bytes
+    return _tiles(words.flatten(1)).view(-1, q.shape[1] // 8, 4, TILE).transpose(2, 3).contiguous()
+
+
 def _optional_tiles(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else _tiles(t)
 
@@ -100,10 +113,11 @@ def unpacker(packed: NativePacked, weight: QuantizedWeight):
 
     def unpack(rows: torch.Tensor | None) -> torch.Tensor:
         rows = torch.arange(n) if rows is None else rows.long()
-        q = packed.q[rows // TILE, :, rows % TILE]  # [R, K or K/2]
-        if weight.bits == 4:
-            q = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)[:, :k]
-        return q.to(torch.int32)
+        if weight.bits == 8:
+            return packed.q[rows // TILE, :, rows % TILE].to(torch.int32)
+        words = packed.q[rows // TILE, :, rows % TILE]  # [R, K / 8, 4] bytes
+        nibbles = torch.stack([words & 15, words >> 4], dim=-1).flatten(-2)  # [R, K / 8, 8] in nibble order
+        return nibbles[:, :, list(_NIBBLE_OF_K)].reshape(len(rows), k).to(torch.int32)
 
     return unpack
 

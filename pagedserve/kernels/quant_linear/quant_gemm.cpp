@@ -2,14 +2,17 @@
 // q[n, k] * x[m, k] + offset[n, g] * sum_{k in g} x[m, k], the integers times the scales in fp32, so the result
 // is the dequantized weight's product up to fp32 rounding. Each weight byte is read once per call.
 // Weights are packed by pagedserve/kernels/quant_linear/native_gemm.py in tiles of kTile output rows, k-major inside a
-// tile: int8: q[tile][k][kTile]; int4: q[tile][k / 2][kTile], k even in the low nibble. Scales and offsets are
+// tile: int8: q[tile][k][kTile]; int4: one 32-bit word per output row and 8 k, q[tile][k / 8][kTile], nibble i of
+// the word holding k0 + kNibbleK[i] (so a 16-bit shift and a table lookup give bf16 pairs (k, k + 1), and a 32-bit
+// shift and a lookup give fp32 values, the lookups exact integers). Scales and offsets are
 // [tile][group][kTile], fp32, fp16 (when exact) or int8 steps times an fp16 per super-block of groups
 // [tile][group / per_super][kTile] (GGUF K-quants' d * sc). One vector lane per output row: no horizontal sums.
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -27,12 +30,31 @@ typedef uint16_t VecU16 __attribute__((vector_size(kTile * sizeof(uint16_t))));
 typedef uint32_t VecU32 __attribute__((vector_size(kTile * sizeof(uint32_t))));
 typedef int32_t VecI32 __attribute__((vector_size(kTile * sizeof(int32_t))));
 
+// int4: the k (from the word's first) of each nibble of a row's 32-bit word, nibble 0 the lowest.
+constexpr int kNibbleK[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
 // Bytes -> floats through 32-bit integers (GCC 12 scalarises a direct byte -> float conversion, and a signed
 // byte -> int one): signed bytes are flipped to q + 128 and widened unsigned.
 inline VecF to_float(VecU8 v) { return __builtin_convertvector(__builtin_convertvector(v, VecI32), VecF); }
 inline VecF to_float(VecI8 v) {
+#if defined(__AVX512F__)
+  return __builtin_bit_cast(VecF, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(__builtin_bit_cast(__m128i, v))));
+#else
   const VecI32 biased = __builtin_convertvector(__builtin_bit_cast(VecU8, v) ^ 0x80, VecI32);
   return __builtin_convertvector(biased - 128, VecF);
+#endif
+}
+
+// Nibble i of each lane's word as a float (exact).
+template <int I>
+inline VecF nibble_float(VecU32 words) {
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i index = __builtin_bit_cast(__m512i, I == 0 ? words : VecU32(words >> (4 * I)));
+  return __builtin_bit_cast(VecF, _mm512_permutexvar_ps(index, table));  // uses each index's low 4 bits
+#else
+  return __builtin_convertvector(__builtin_bit_cast(VecI32, (words >> (4 * I)) & 15u), VecF);
+#endif
 }
 
 template <typename V>
@@ -55,87 +77,150 @@ inline VecF half_to_float(const uint16_t* p) {
 enum ParamsKind : int64_t { kFloat32 = 0, kFloat16 = 1, kStepsTimesHalf = 2 };
 
 // Independent sums per activation row: an FMA chain waits on its own previous result, so few rows need
-// several chains to keep both FMA ports busy (each int4 byte feeds two chains already).
-constexpr int chains(int rows, int bits) { return rows >= 8 / (bits == 4 ? 2 : 1) ? 1 : 8 / (bits == 4 ? 2 : 1) / rows; }
+// several chains to keep both FMA ports busy.
+constexpr int chains(int rows) { return rows >= 8 ? 1 : 8 / rows; }
+constexpr int chains4(int rows) { return rows >= 4 ? 1 : 4 / rows; }  // int4: 8 (fp32) or 4 (bf16) per word
 
-// The group's integer dot products for ROWS activation rows, one lane per output row of the tile.
-template <int ROWS, int BITS>
-inline void group_dot(const uint8_t* q, const float* x, int64_t k_stride, int64_t begin, int64_t size,
-                      VecF (&part)[ROWS]) {
-  constexpr int kChains = chains(ROWS, BITS);
-  constexpr int kStep = BITS == 8 ? kChains : 2 * kChains;  // k values per unrolled step
-  VecF sums[ROWS][BITS == 8 ? kChains : 2 * kChains] = {};
-  const int64_t end = begin + size, unrolled = begin + size / kStep * kStep;
+// int8: the group's integer dot products for ROWS activation rows, one lane per output row of the tile.
+template <int ROWS>
+inline void group_dot8(const uint8_t* q, const float* x, int64_t k_stride, int64_t begin, int64_t size,
+                       VecF (&part)[ROWS]) {
+  constexpr int kChains = chains(ROWS);
+  VecF sums[ROWS][kChains] = {};
+  const int64_t end = begin + size, unrolled = begin + size / kChains * kChains;
   int64_t k = begin;
-  for (; k < unrolled; k += kStep) {
+  for (; k < unrolled; k += kChains) {
     for (int c = 0; c < kChains; ++c) {
-      if constexpr (BITS == 8) {
-        const VecF w = to_float(load<VecI8>(q + (k + c) * kTile));
-        for (int r = 0; r < ROWS; ++r) sums[r][c] += w * x[r * k_stride + k + c];
-      } else {
-        const int64_t kc = k + 2 * c;
-        const VecU8 bytes = load<VecU8>(q + (kc / 2) * kTile);
-        const VecF low = to_float(VecU8(bytes & 15)), high = to_float(VecU8(bytes >> 4));
-        for (int r = 0; r < ROWS; ++r) {
-          sums[r][2 * c] += low * x[r * k_stride + kc];
-          sums[r][2 * c + 1] += high * x[r * k_stride + kc + 1];
-        }
-      }
+      const VecF w = to_float(load<VecI8>(q + (k + c) * kTile));
+      for (int r = 0; r < ROWS; ++r) sums[r][c] += w * x[r * k_stride + k + c];
     }
   }
-  for (; k < end; k += BITS == 8 ? 1 : 2) {
-    if constexpr (BITS == 8) {
-      const VecF w = to_float(load<VecI8>(q + k * kTile));
-      for (int r = 0; r < ROWS; ++r) sums[r][0] += w * x[r * k_stride + k];
-    } else {
-      const VecU8 bytes = load<VecU8>(q + (k / 2) * kTile);
-      const VecF low = to_float(VecU8(bytes & 15)), high = to_float(VecU8(bytes >> 4));
-      for (int r = 0; r < ROWS; ++r) sums[r][0] += low * x[r * k_stride + k] + high * x[r * k_stride + k + 1];
-    }
+  for (; k < end; ++k) {
+    const VecF w = to_float(load<VecI8>(q + k * kTile));
+    for (int r = 0; r < ROWS; ++r) sums[r][0] += w * x[r * k_stride + k];
   }
   for (int r = 0; r < ROWS; ++r) {
     part[r] = sums[r][0];
-    for (int c = 1; c < (BITS == 8 ? kChains : 2 * kChains); ++c) part[r] += sums[r][c];
+    for (int c = 1; c < kChains; ++c) part[r] += sums[r][c];
   }
 }
 
-#if defined(__AVX512BF16__)
-// bf16 activations and enough rows to be compute-bound: the integers are exact in bf16 (|q| <= 128 needs 8
-// significant bits), so one vdpbf16ps per row adds two exact products per lane in fp32, where the fp32 path
-// needs two FMAs. Pairs (k, k + 1) of a row share a 32-bit lane, k in the low half, as the x pair does.
+// int4, fp32 activations: each word's 8 nibbles as floats, one FMA per nibble and row.
+template <int I, int ROWS, int C>
+inline void nibble_fma(VecU32 words, const float* x, int64_t k_stride, int64_t k0, VecF (&sums)[ROWS][C]) {
+  const VecF w = nibble_float<I>(words);
+  for (int r = 0; r < ROWS; ++r) sums[r][I % C] += w * x[r * k_stride + k0 + kNibbleK[I]];
+}
+
+template <int ROWS, int C, size_t... I>
+inline void nibble_fmas(VecU32 words, const float* x, int64_t k_stride, int64_t k0, VecF (&sums)[ROWS][C],
+                        std::index_sequence<I...>) {
+  (nibble_fma<I>(words, x, k_stride, k0, sums), ...);
+}
+
+template <int ROWS>
+inline void group_dot4(const uint8_t* q, const float* x, int64_t k_stride, int64_t begin, int64_t size,
+                       VecF (&part)[ROWS]) {
+  constexpr int kChains = chains4(ROWS) * 2;
+  VecF sums[ROWS][kChains] = {};
+  for (int64_t k0 = begin; k0 < begin + size; k0 += 8) {
+    nibble_fmas(load<VecU32>(q + k0 / 2 * kTile), x, k_stride, k0, sums, std::make_index_sequence<8>());
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    part[r] = sums[r][0];
+    for (int c = 1; c < kChains; ++c) part[r] += sums[r][c];
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 activations: the integers are exact in bf16 (|q| <= 128 needs 8 significant bits), so one vdpbf16ps
+// per row adds two exact products per lane in fp32, where the fp32 path needs two FMAs. Pairs (k, k + 1) of a
+// row share a 32-bit lane, k in the low half, as the x pair does. int8 only pays for it from 4 rows on (its
+// weight is converted through fp32); int4 looks its pairs up in a table, cheap at any number of rows.
 constexpr int kMinDotRows = 4;
 
-template <int BITS>
 inline __m512bh weight_pairs(const uint8_t* q, int64_t k) {
-  VecF even, odd;
-  if constexpr (BITS == 8) {
-    even = to_float(load<VecI8>(q + k * kTile));
-    odd = to_float(load<VecI8>(q + (k + 1) * kTile));
-  } else {
-    const VecU8 bytes = load<VecU8>(q + (k / 2) * kTile);
-    even = to_float(VecU8(bytes & 15));
-    odd = to_float(VecU8(bytes >> 4));
-  }
+  const VecF even = to_float(load<VecI8>(q + k * kTile)), odd = to_float(load<VecI8>(q + (k + 1) * kTile));
   const VecU32 pairs = (__builtin_bit_cast(VecU32, odd) & 0xffff0000u) | (__builtin_bit_cast(VecU32, even) >> 16);
   return __builtin_bit_cast(__m512bh, pairs);
 }
 
-template <int ROWS, int BITS>
-inline void group_dot_bf16(const uint8_t* q, const uint16_t* x, int64_t k_stride, int64_t begin, int64_t size,
-                           VecF (&part)[ROWS]) {
+inline __m512 dot_pair(__m512 sum, __m512bh w, const uint16_t* x) {
+  uint32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return _mm512_dpbf16_ps(sum, w, __builtin_bit_cast(__m512bh, _mm512_set1_epi32(static_cast<int>(pair))));
+}
+
+template <int ROWS>
+inline void group_dot8_bf16(const uint8_t* q, const uint16_t* x, int64_t k_stride, int64_t begin, int64_t size,
+                            VecF (&part)[ROWS]) {
   __m512 sums[ROWS];
   for (int r = 0; r < ROWS; ++r) sums[r] = _mm512_setzero_ps();
   for (int64_t k = begin; k < begin + size; k += 2) {
-    const __m512bh w = weight_pairs<BITS>(q, k);
-    for (int r = 0; r < ROWS; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, x + r * k_stride + k, sizeof(pair));
-      sums[r] = _mm512_dpbf16_ps(sums[r], w, __builtin_bit_cast(__m512bh, _mm512_set1_epi32(pair)));
-    }
+    const __m512bh w = weight_pairs(q, k);
+    for (int r = 0; r < ROWS; ++r) sums[r] = dot_pair(sums[r], w, x + r * k_stride + k);
   }
   for (int r = 0; r < ROWS; ++r) part[r] = __builtin_bit_cast(VecF, sums[r]);
 }
+
+// bf16 of 0..15, twice: vpermw reads an index's low 5 bits, so the nibble above a looked-up one never matters.
+alignas(64) constexpr uint16_t kBf16Nibbles[32] = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
+    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
+    0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+// Pair I of each word: its 16-bit halves' nibble I, i.e. (k0 + 2I, k0 + 2I + 1) as bf16.
+template <int I, int ROWS, int C>
+inline void nibble_dot(__m512i words, __m512i table, const uint16_t* x, int64_t k_stride, int64_t k0,
+                       __m512 (&sums)[ROWS][C]) {
+  const __m512i index = I == 0 ? words : _mm512_srli_epi16(words, 4 * I);
+  const __m512bh w = __builtin_bit_cast(__m512bh, _mm512_permutexvar_epi16(index, table));
+  for (int r = 0; r < ROWS; ++r) sums[r][I % C] = dot_pair(sums[r][I % C], w, x + r * k_stride + k0 + 2 * I);
+}
+
+template <int ROWS>
+inline void group_dot4_bf16(const uint8_t* q, const uint16_t* x, int64_t k_stride, int64_t begin, int64_t size,
+                            VecF (&part)[ROWS]) {
+  constexpr int kChains = chains4(ROWS);
+  const __m512i table = _mm512_load_si512(kBf16Nibbles);
+  __m512 sums[ROWS][kChains];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < kChains; ++c) sums[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t k0 = begin; k0 < begin + size; k0 += 8) {
+    const __m512i words = _mm512_loadu_si512(q + k0 / 2 * kTile);
+    nibble_dot<0>(words, table, x, k_stride, k0, sums);
+    nibble_dot<1>(words, table, x, k_stride, k0, sums);
+    nibble_dot<2>(words, table, x, k_stride, k0, sums);
+    nibble_dot<3>(words, table, x, k_stride, k0, sums);
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    part[r] = __builtin_bit_cast(VecF, sums[r][0]);
+    for (int c = 1; c < kChains; ++c) part[r] += __builtin_bit_cast(VecF, sums[r][c]);
+  }
+}
 #endif
+
+// The group's dot products, by the fastest exact path the weight's bits and the activations' type allow.
+template <int ROWS, int BITS>
+inline void group_dot(const uint8_t* q, const float* x, const uint16_t* xb, int64_t k_stride, int64_t begin,
+                      int64_t size, VecF (&part)[ROWS]) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (xb != nullptr && (BITS == 4 || (ROWS >= kMinDotRows && size % 2 == 0))) {
+    if constexpr (BITS == 4) {
+      group_dot4_bf16<ROWS>(q, xb, k_stride, begin, size, part);
+    } else {
+      group_dot8_bf16<ROWS>(q, xb, k_stride, begin, size, part);
+    }
+    return;
+  }
+#endif
+  if constexpr (BITS == 4) {
+    group_dot4<ROWS>(q, x, k_stride, begin, size, part);
+  } else {
+    group_dot8<ROWS>(q, x, k_stride, begin, size, part);
+  }
+}
 
 struct Problem {
   const float* x;     // [M, K] fp32
@@ -172,15 +257,8 @@ void tile_rows(const Problem& p, int64_t tile, int64_t row0, T* out) {
   const uint8_t* q = p.q + tile * p.tile_bytes;
   const float* x = p.x + row0 * p.k;
   for (int64_t g = 0; g < p.groups; ++g) {
-#if defined(__AVX512BF16__)
-    if (ROWS >= kMinDotRows && p.xb != nullptr && p.group_size % 2 == 0) {
-      group_dot_bf16<ROWS, BITS>(q, p.xb + row0 * p.k, p.k, g * p.group_size, p.group_size, part);
-    } else {
-      group_dot<ROWS, BITS>(q, x, p.k, g * p.group_size, p.group_size, part);
-    }
-#else
-    group_dot<ROWS, BITS>(q, x, p.k, g * p.group_size, p.group_size, part);
-#endif
+    group_dot<ROWS, BITS>(q, x, p.xb == nullptr ? nullptr : p.xb + row0 * p.k, p.k, g * p.group_size, p.group_size,
+                          part);
     const VecF scale = load_params(p, p.scales, p.scale_super, tile, g);
     for (int r = 0; r < ROWS; ++r) acc[r] += part[r] * scale;
     if (p.offsets != nullptr) {
@@ -234,14 +312,14 @@ void run(const T* x_in, T* out, Problem p, int64_t m, int bits, int64_t tile_beg
 
 // x [M, K] and out [M, N] in `dtype`; q, scales and offsets (may be null) packed as described above, `kind` a
 // ParamsKind (kStepsTimesHalf: scale_super / offset_super and per_super too); computes the output rows of tiles
-// [tile_begin, tile_end). Status 2: bits not 4 or 8; 3: K not whole (even) groups; 4: groups not whole
-// super-blocks, or an unknown kind.
+// [tile_begin, tile_end). Status 2: bits not 4 or 8; 3: K not whole groups (int4: groups of a multiple of 8);
+// 4: groups not whole super-blocks, or an unknown kind.
 extern "C" int pagedserve_quant_gemm(const void* x, void* out, const void* q, const void* scales,
                                      const void* offsets, const void* scale_super, const void* offset_super,
                                      int64_t m, int64_t n, int64_t k, int64_t group_size, int64_t bits, int64_t kind,
                                      int64_t per_super, int64_t tile_begin, int64_t tile_end, int dtype) {
   if (bits != 4 && bits != 8) return 2;
-  if (group_size < 1 || k % group_size != 0 || (bits == 4 && group_size % 2 != 0)) return 3;
+  if (group_size < 1 || k % group_size != 0 || (bits == 4 && group_size % 8 != 0)) return 3;
   if (kind < kFloat32 || kind > kStepsTimesHalf ||
       (kind == kStepsTimesHalf && (per_super < 1 || (k / group_size) % per_super != 0))) {
     return 4;
