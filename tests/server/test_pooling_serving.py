@@ -95,6 +95,16 @@ def test_bad_embedding_input_is_refused_naming_the_field(embedder, body, param):
     assert answer.json()["error"]["param"] == param
 
 
+def test_an_embedding_model_scores_by_cosine_similarity(embedder):
+    running, url = embedder
+    reference = st.SentenceTransformer(str(running.model_path), device="cpu").encode(["quick fox", *DOCS])
+    expected = _cosine(reference[:1], reference[1:])
+    body = {"model": running.model_path.name, "query": "quick fox", "documents": DOCS}
+    results = httpx.post(f"{url}/rerank", json=body).json()["results"]
+    assert [r["index"] for r in results] == list(np.argsort(-expected))
+    np.testing.assert_allclose([r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5)
+
+
 def test_embedding_request_tensor_over_grpc(embedder):
     running, _ = embedder
     reference = st.SentenceTransformer(str(running.model_path), device="cpu").encode([TEXTS[1]])[0]

@@ -152,10 +152,22 @@ def _texts(body: dict, name: str) -> list[str]:
 
 
 async def _scores(shim: OpenAIShim, pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
-    """A cross-encoder's score of each (query, document) pair."""
+    """A cross-encoder's score of each (query, document) pair; an embedding model's cosine similarity of the two
+    texts' embeddings (as vLLM scores with one)."""
+    if "embed" in await model_tasks(shim):
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vectors, tokens = await _pool_all(shim, [{"input": t, "pooling_params": {"task": "embed"}} for t in texts])
+        by_text = dict(zip(texts, vectors, strict=True))
+        return [_cosine(by_text[q], by_text[d]) for q, d in pairs], tokens
     requests = [{"input": q, "text_pair": d, "pooling_params": {"task": "score"}} for q, d in pairs]
     vectors, tokens = await _pool_all(shim, requests)
     return [v[0] for v in vectors], tokens
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norm = (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+    return dot / norm if norm else 0.0
 
 
 async def score(shim: OpenAIShim, body: dict) -> dict:
