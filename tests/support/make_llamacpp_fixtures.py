@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
@@ -40,13 +41,31 @@ def make_hf_model(path: Path) -> Path:
     return make_tiny_model(path, **MODEL)
 
 
-def _llama_quantize(given: str | None) -> Path:
-    if given:
-        return Path(given)
+def _peer() -> ModuleType:
     sys.path.insert(0, str(ROOT / "bench"))
     import llamacpp_peer
 
-    binary, why = llamacpp_peer.quantize_binary()
+    return llamacpp_peer
+
+
+def built_llama_quantize() -> Path | None:
+    """The llama-quantize bench/llamacpp_peer has built already, or None (building it takes long: tests never do)."""
+    binary = _peer().SERVER_BUILD / "bin" / "llama-quantize"
+    return binary if binary.is_file() else None
+
+
+def llama_quantize(binary: Path, source: Path, out: Path, kind: str) -> Path:
+    """`source` quantized by llama.cpp to `kind` (one thread) at `out`."""
+    proc = subprocess.run([str(binary), str(source), str(out), kind, "1"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-quantize {kind} failed: {(proc.stderr or proc.stdout)[-800:]}")
+    return out
+
+
+def _llama_quantize(given: str | None) -> Path:
+    if given:
+        return Path(given)
+    binary, why = _peer().quantize_binary()
     if binary is None:
         raise SystemExit(f"no llama-quantize: {why}")
     return binary
@@ -64,10 +83,7 @@ def main() -> None:
         folder = make_hf_model(Path(tmp) / "hf")
         source = tiny_gguf.write_blocks_gguf(folder, Path(tmp) / "tiny-llama.F32.gguf", lambda name: None)
         for kind in TYPES:
-            proc = subprocess.run([str(binary), str(source), str(fixture(kind)), kind, "1"], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"llama-quantize {kind} failed: {(proc.stderr or proc.stdout)[-800:]}")
+            llama_quantize(binary, source, fixture(kind), kind)
             print(f"{fixture(kind).relative_to(ROOT)}: {fixture(kind).stat().st_size} bytes")
 
 

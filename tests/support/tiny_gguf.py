@@ -350,3 +350,35 @@ def _write_twin(folder: Path, target: Path, tensors: dict[str, torch.Tensor]) ->
     shutil.copytree(folder, target)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(target / "model.safetensors"),
               metadata={"format": "pt"})
+
+
+def write_dequantized_twin(path: Path, folder: Path) -> Path:
+    """Replace the weights of the tiny HF model in `folder` (the one `path` was made from) by what gguf-py
+    dequantizes from the GGUF file at `path`, each tensor put back as the converter took it: experts out of their
+    stacks, Q/K rows unpermuted (llama), Gemma's norms less one; returns `folder`."""
+    config = json.loads((folder / "config.json").read_text())
+    arch = GGUF_ARCH[config["model_type"]]
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    weights = {}
+    for name, original in load_file(str(folder / "model.safetensors")).items():
+        if ".experts." in name:
+            head, expert, projection, _ = name.split(".experts.")[0], *name.split(".experts.")[1].split(".")
+            value = dequantized(stored[f"blk.{head.split('.')[2]}.{_EXPERT_STACKS[projection]}.weight"])[int(expert)]
+        else:
+            value = dequantized(stored[gguf_name(name, arch)])
+        value = torch.from_numpy(value.copy()).reshape(original.shape)
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}.get(
+            name.split(".")[-2]) if arch == "llama" else None
+        if heads:  # the converter's row p[i] went to row i
+            unpermuted = torch.empty_like(value)
+            unpermuted[permute_qk(torch.arange(value.shape[0]), heads)] = value
+            value = unpermuted
+        weights[name] = value - 1 if arch.startswith("gemma") and "norm" in name else value
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def dequantized(tensor) -> np.ndarray:
+    """gguf-py's own reading of a GGUF tensor, its dimensions outermost first."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type).reshape(shape)
