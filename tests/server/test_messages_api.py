@@ -79,6 +79,11 @@ def test_stop_sequences_and_count_tokens(client):
     cut = _create(client, thinking={"type": "disabled"}, stop_sequences=[stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert cut.content[0].text == free[:free.index(stop)]
+    with client.messages.stream(model=MODEL, max_tokens=24, messages=ASK, extra_body=GREEDY, stop_sequences=[stop],
+                                thinking={"type": "disabled"}) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert streamed.content[0].text == cut.content[0].text
     counted = client.messages.count_tokens(model=MODEL, messages=ASK, thinking={"type": "disabled"})
     assert counted.input_tokens == _create(client, thinking={"type": "disabled"}).usage.input_tokens
 

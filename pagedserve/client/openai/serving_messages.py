@@ -70,6 +70,8 @@ class MessagesRun:
         self.generation, self.body = generation, body
         self.id = "msg_" + uuid.uuid4().hex
         self.stops = body.get("stop_sequences") or []
+        if self.stops:  # the text keeps the stop sequence that ended it, so the reply can name it
+            generation.request.sampling["include_stop_str_in_output"] = True
 
     def message(self, content: list[dict], stop_reason: str | None, stop_sequence: str | None) -> dict:
         usage = self.generation.usage()
@@ -87,8 +89,6 @@ class MessagesRun:
         return _STOP_REASONS.get(finish or "stop", "end_turn"), None
 
     async def whole(self, request: Request) -> Response:
-        if self.stops:
-            self.generation.request.sampling["include_stop_str_in_output"] = True
         merged = merge_streams(self.generation.shim.triton_streams(self.generation.request, self.generation.id))
         try:
             completion = await unless_disconnected(request, self.generation.run(merged))
@@ -125,7 +125,7 @@ class MessagesRun:
         return _sse("message_start", {"type": "message_start", "message": message})
 
     async def _events(self, merged: AsyncIterator[Any]) -> AsyncIterator[str]:
-        blocks = BlockWriter()
+        blocks, tail = BlockWriter(), StopTail(self.stops)
         finish, failed, started = None, None, False
         try:
             async for prompt_index, response in merged:
@@ -134,7 +134,8 @@ class MessagesRun:
                     yield self._start(response.num_input_tokens or 0)
                 for chunk in self.generation._response_chunks(prompt_index, response):
                     for choice in chunk["choices"]:
-                        for name, event in blocks.delta(choice["delta"]):
+                        delta = {**choice["delta"], "content": tail.feed(choice["delta"].get("content") or "")}
+                        for name, event in blocks.delta(delta):
                             yield _sse(name, event)
                         finish = choice["finish_reason"] or finish
         except TRITON_ERRORS as error:
@@ -146,14 +147,30 @@ class MessagesRun:
         if failed is not None:
             yield _sse("error", anthropic_error(failed))
             return
-        for name, event in blocks.close():
+        reason, sequence = self._stop(finish, tail.held)
+        rest = tail.held[:len(tail.held) - len(sequence or "")]
+        for name, event in [*blocks.delta({"content": rest}), *blocks.close()]:
             yield _sse(name, event)
         usage = self.generation.usage()
-        reason = _STOP_REASONS.get(finish or "stop", "end_turn")
-        yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": None},
+        yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                      "usage": {"input_tokens": usage["prompt_tokens"],
                                                "output_tokens": usage["completion_tokens"]}})
         yield _sse("message_stop", {"type": "message_stop"})
+
+
+class StopTail:
+    """The last characters of a streamed text held back while they may be a stop sequence."""
+
+    def __init__(self, stops: list[str]):
+        self.keep = max(map(len, stops), default=0)
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        """What of the text so far may go out now."""
+        self.held += text
+        cut = max(0, len(self.held) - self.keep)
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out
 
 
 class BlockWriter:
