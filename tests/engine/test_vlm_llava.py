@@ -166,3 +166,17 @@ def test_images_on_a_text_only_model_are_refused(tiny_llama_path):
     with pytest.raises(InvalidRequestError, match="takes no images") as info:
         engine.add_request("bad", "Describe <image>", GREEDY, images=[IMAGES[0]])
     assert info.value.field == "images"
+
+
+def test_siglip_tower_with_a_qwen2_language_model_equals_transformers(tmp_path):
+    path = make_tiny_llava(tmp_path / "llava-siglip-qwen2", "siglip", text_arch="qwen2", vision_feature_layer=-1,
+                           seed=5)
+    processor = transformers.AutoProcessor.from_pretrained(path, local_files_only=True)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    prompt, images = "Hello <image><image>: which is bigger?", PROMPTS[1][1]  # side by side: one run of tokens
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    engine = _engine(path, max_num_batched_tokens=8)
+    assert _run(engine, [(prompt, images)])[0][0] == expected

@@ -70,9 +70,8 @@ class ImageProcessor:
         except (ValueError, OSError) as error:
             raise InvalidRequestError(f"the images could not be processed: {error}", FIELD) from error
         token_ids = out["input_ids"][0].tolist()
-        sizes = [(picture.height, picture.width) for picture in pictures]
-        lengths = processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
-        spans = placeholder_spans(token_ids, self.image_token_id, lengths)
+        spans = placeholder_spans(token_ids, self.image_token_id, _image_lengths(processor, pictures, token_ids,
+                                                                                 self.image_token_id))
         pixels = out["pixel_values"]
         inputs = tuple(ImageInput(_content_hash(pixels[i]), offset, length, {"pixel_values": pixels[i : i + 1]})
                        for i, (offset, length) in enumerate(spans))
@@ -112,10 +111,19 @@ def decode_image(image: object, index: int) -> Any:
     return picture
 
 
-def placeholder_spans(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]) -> list[tuple[int, int]]:
+def placeholder_spans(token_ids: Sequence[int], image_token_id: int,
+                      lengths: Sequence[int] | None) -> list[tuple[int, int]]:
     """(offset, length) of each image's placeholder tokens: the image tokens in order, `lengths[i]` of them
-    for image i (images placed side by side make one run); each image's must be contiguous."""
+    for image i (images placed side by side make one run), each image's contiguous; None: each run."""
     positions = [position for position, token in enumerate(token_ids) if token == image_token_id]
+    if lengths is None:
+        runs: list[tuple[int, int]] = []
+        for position in positions:
+            if runs and sum(runs[-1]) == position:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((position, 1))
+        return runs
     if len(positions) != sum(lengths):
         raise InvalidRequestError(f"the prompt holds {len(positions)} image tokens where its images take "
                                   f"{sum(lengths)}", FIELD)
@@ -126,6 +134,19 @@ def placeholder_spans(token_ids: Sequence[int], image_token_id: int, lengths: Se
             raise InvalidRequestError("an image's placeholder tokens are not contiguous in the prompt", FIELD)
         spans.append((first, length))
     return spans
+
+
+def _image_lengths(processor: Any, pictures: list[Any], token_ids: Sequence[int], image_token_id: int) -> list[int]:
+    """How many image tokens each image expanded into: its run of them where the runs are one an image, else
+    the processor's own count, else (a processor without one) an even share, as images of one fixed size take."""
+    runs = [length for _, length in placeholder_spans(token_ids, image_token_id, None)]
+    if len(runs) == len(pictures):
+        return runs
+    try:
+        sizes = [(picture.height, picture.width) for picture in pictures]
+        return list(processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"])
+    except (AttributeError, KeyError, TypeError):
+        return [sum(runs) // len(pictures)] * len(pictures)
 
 
 def _content_hash(pixel_values: Any) -> str:
