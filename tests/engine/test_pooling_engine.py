@@ -164,6 +164,9 @@ def test_bad_pooling_input_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ConfigError) as err:
         _engine(path, runner="generate")
     assert err.value.field == "runner"
+    with pytest.raises(ConfigError) as err:  # past the encoder's learned positions
+        LLMEngine.from_pretrained(str(path), dtype="float32", max_model_len=256)
+    assert err.value.field == "max_model_len"
     generator = _engine(make_tiny_decoder_embedding(tmp_path / "qwen3"), runner="generate")
     with pytest.raises(InvalidRequestError) as err:
         generator.add_pooling_request("x", "hello")

@@ -36,6 +36,10 @@ class PoolingSupport:
         self.is_classifier = pooler.head is not None
         self.raw = _config_json(model_path)
         self.max_tokens_per_step = scheduler_config.max_num_batched_tokens
+        positions = int(pooler.model.config.max_position_embeddings)
+        if is_encoder and scheduler_config.max_model_len > positions:  # learned positions end there
+            raise ConfigError(f"max_model_len ({scheduler_config.max_model_len}) must be <= this encoder's "
+                              f"{positions} positions", "max_model_len")
         self.tasks = self._tasks(runner, model_path)
 
     def _tasks(self, runner: str, model_path: str) -> frozenset[str]:
