@@ -17,6 +17,8 @@ from pagedserve.backend.model.moe import QuantizedExperts
 from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear
 from pagedserve.kernels.quant_linear import QuantizedWeight
 from pagedserve.testing import make_tiny_model
+from tests.engine.test_gguf_families import _WIDE
+from tests.engine.test_gguf_families import FAMILIES as DENSE
 from tests.support import tiny_gguf
 from tests.support.engines import cpu_engine, greedy
 from tests.support.make_llamacpp_fixtures import (
@@ -77,13 +79,28 @@ MOE = {"mixtral": {"num_local_experts": 4},
 def test_a_llama_quantize_moe_file_serves_its_experts_with_transformers_tokens(family, hf_reference, tmp_path):
     folder = make_tiny_model(tmp_path / "hf", family, seed=38, hidden_size=256, intermediate_size=256, num_heads=4,
                              num_kv_heads=2, random_norms=True, config_extras=MOE[family])
-    source = tiny_gguf.write_blocks_gguf(folder, tmp_path / "f32.gguf", lambda name: None)
-    path = llama_quantize(built_llama_quantize(), source, tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    path = _llama_quantized(folder, tmp_path, "Q4_K_M")
     kinds = {t.name.split(".")[-2]: t.tensor_type.name for t in gguf_file.read(path).tensors}
     assert (kinds["ffn_gate_exps"], kinds["ffn_down_exps"], kinds["ffn_gate_inp"]) == ("Q4_K", "Q6_K", "F32")
     model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
     assert all(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.layers)
     _engine_matches_transformers(path, tiny_gguf.write_dequantized_twin(path, folder), hf_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(built_llama_quantize() is None, reason="llama-quantize not built (bench/llamacpp_peer.py)")
+@pytest.mark.parametrize("family", ["qwen2", *DENSE])
+def test_a_llama_quantize_file_of_each_dense_family_gives_transformers_tokens(family, hf_reference, tmp_path):
+    folder = make_tiny_model(tmp_path / "hf", family.split("-")[0], seed=39, **{**_WIDE, **DENSE.get(family, {})})
+    path = _llama_quantized(folder, tmp_path, "Q4_K_M")
+    assert {t.tensor_type.name for t in gguf_file.read(path).tensors} >= {"Q4_K", "Q6_K"}
+    _engine_matches_transformers(path, tiny_gguf.write_dequantized_twin(path, folder), hf_reference)
+
+
+def _llama_quantized(folder, tmp_path, kind: str):
+    """The tiny model in `folder` as tiny_gguf's F32 file quantized by llama-quantize to `kind`."""
+    source = tiny_gguf.write_blocks_gguf(folder, tmp_path / "f32.gguf", lambda name: None)
+    return llama_quantize(built_llama_quantize(), source, tmp_path / f"{kind}.gguf", kind)
 
 
 def _engine_matches_transformers(path, twin, hf_reference) -> None:

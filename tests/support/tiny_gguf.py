@@ -69,7 +69,7 @@ _MOE_NAMES = {"mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp
               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _FLOAT_ONLY = ("ffn_gate_inp.", "ffn_gate_inp_shexp.")
 # config.json model_type -> GGUF general.architecture (llama.cpp's converter writes Mixtral as llama).
-GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
