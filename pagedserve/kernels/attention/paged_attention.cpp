@@ -362,7 +362,8 @@ void PortableOps::softmax(const Problem& p, int count, float* scores, State& sta
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int j = 0; j < kTile; ++j) {
-      s[j] = fast_exp(s[j] - m) * static_cast<float>(j < count);  // lanes past the count hold stale scores
+      // Lanes past the count hold stale (maybe NaN) scores: select before exp, zero after.
+      s[j] = fast_exp(j < count ? s[j] - m : -87.f) * static_cast<float>(j < count);
       total += s[j];
     }
     state.sum[qh] += total;
