@@ -171,3 +171,20 @@ def test_bad_pooling_input_is_refused_naming_the_field(tmp_path):
     with pytest.raises(InvalidRequestError) as err:
         generator.add_pooling_request("x", "hello")
     assert err.value.field == "task"
+
+
+def test_the_folders_instruction_prompts_go_before_the_input(tmp_path):
+    path = make_tiny_decoder_embedding(tmp_path / "qwen3", pooling="mean")
+    prompts = {"query": "Instruct: find the passage\nQuery: ", "document": ""}
+    (path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts,
+                                                                       "default_prompt_name": None}))
+    engine = _engine(path)
+    reference = st.SentenceTransformer(str(path), device="cpu")
+    ours = engine.encode(TEXTS[:2], PoolingParams(prompt_name="query"))
+    assert _cosines(ours, reference.encode(TEXTS[:2], prompt_name="query", convert_to_tensor=True)).min() >= 0.9999
+    plain = engine.encode(TEXTS[:2])
+    assert _cosines(plain, reference.encode(TEXTS[:2], convert_to_tensor=True)).min() >= 0.9999
+    assert len(ours[0].prompt_token_ids) > len(plain[0].prompt_token_ids)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_pooling_request("r", "hi", PoolingParams(prompt_name="passage"))
+    assert err.value.field == "prompt_name"

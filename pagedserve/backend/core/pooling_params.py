@@ -16,13 +16,15 @@ POOLING_TASKS = ("embed", "classify", "score")
 class PoolingParams:
     """`normalize` (embed; None: as the model's folder says), `dimensions` (embed: a Matryoshka model's
     leading dimensions), `activation` (classify / score: softmax or sigmoid as the model's config says; false:
-    the raw logits). `first_segment_tokens`, set by the engine for a text pair, is how many leading prompt tokens
+    the raw logits), `prompt_name` (embed: the model folder's named instruction prompt put before a text input, as
+    sentence-transformers' encode(prompt_name=...); None: its default prompt, if it names one). `first_segment_tokens`, set by the engine for a text pair, is how many leading prompt tokens
     are token type 0 (the rest type 1, on a model with token types)."""
 
     task: str = "embed"
     normalize: bool | None = None
     dimensions: int | None = None
     activation: bool = True
+    prompt_name: str | None = None
     first_segment_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -32,6 +34,9 @@ class PoolingParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise InvalidRequestError(f"{name} must be a bool, got {value!r}", name)
+        if self.prompt_name is not None and (not isinstance(self.prompt_name, str) or self.task != "embed"):
+            raise InvalidRequestError(f"prompt_name must be a string, for task 'embed'; got {self.prompt_name!r}",
+                                      "prompt_name")
         if self.dimensions is not None:
             if isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int) or self.dimensions < 1:
                 raise InvalidRequestError(f"dimensions must be an integer >= 1, got {self.dimensions!r}", "dimensions")

@@ -81,6 +81,8 @@ class PoolingSupport:
         self.check_task(params.task)
         self._check_dimensions(params)
         params = dataclasses.replace(params)  # its own copy: a pair's segment bound is this request's
+        if prompt is not None and params.task == "embed":
+            prompt = self._with_instruction(prompt, params.prompt_name)
         if text_pair is not None:
             token_ids, params.first_segment_tokens = _tokenize_pair(tokenizer, prompt, text_pair)
         else:
@@ -95,6 +97,18 @@ class PoolingSupport:
         return Request(request_id, token_ids, arrival_time=kwargs.get("arrival_time"), cache_salt=salt,
                        group_id=request_id, priority=kwargs.get("priority", 0), pooling_params=params,
                        whole_prompt=whole)
+
+    def _with_instruction(self, text: str, name: str | None) -> str:
+        """`text` after the folder's named prompt (its default one when `name` is None)."""
+        prompts = self.pooler.config.prompts
+        if name is None:
+            name = self.pooler.config.default_prompt_name
+            if name is None:
+                return text
+        if name not in prompts:
+            raise InvalidRequestError(f"prompt_name {name!r} is not one of the model's prompts "
+                                      f"({', '.join(sorted(prompts)) or 'none'})", "prompt_name")
+        return prompts[name] + text
 
     def _check_dimensions(self, params: PoolingParams) -> None:
         if params.dimensions is None:

@@ -21,13 +21,15 @@ _UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tok
 @dataclass(frozen=True)
 class PoolingConfig:
     """A folder's pooling: the type, whether the vector is L2-normalised, the longest input sentence-transformers
-    takes (None: the model's), and its named prompts (`config_sentence_transformers.json`)."""
+    takes (None: the model's), and its named prompts (`config_sentence_transformers.json`) with the one it
+    puts before an input that names none."""
 
     pooling_type: str
     normalize: bool
     max_seq_length: int | None = None
     prompts: dict[str, str] = field(default_factory=dict)
     from_sentence_transformers: bool = False
+    default_prompt_name: str | None = None
 
 
 def read_pooling_config(path: str | Path, default_pooling: str, default_normalize: bool) -> PoolingConfig:
@@ -48,9 +50,10 @@ def read_pooling_config(path: str | Path, default_pooling: str, default_normaliz
         pooling_type = _pooling_type(json.loads((pooling_dir / "config.json").read_text()))
     st_config = _read_json(path / "sentence_bert_config.json")
     max_len = st_config.get("max_seq_length")
-    prompts = _read_json(path / "config_sentence_transformers.json").get("prompts") or {}
+    st_settings = _read_json(path / "config_sentence_transformers.json")
+    prompts = st_settings.get("prompts") or {}
     return PoolingConfig(pooling_type, "Normalize" in kinds, int(max_len) if max_len else None,
-                         {str(k): str(v) for k, v in prompts.items()}, True)
+                         {str(k): str(v) for k, v in prompts.items()}, True, st_settings.get("default_prompt_name"))
 
 
 def _read_json(path: Path) -> dict:
