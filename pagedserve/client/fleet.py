@@ -136,7 +136,7 @@ def plan_replicas(size: int, params: dict[str, str]) -> list[ReplicaPlan]:
 def router_command(args: argparse.Namespace, plans: Sequence[ReplicaPlan], tokenizer: Path,
                    events: tuple[str, str] | None, block_size: int, prometheus_port: int) -> list[str]:
     """vllm-router's command line for the fleet."""
-    from pagedserve.backend.engine.kv_events import offset_endpoint
+    from pagedserve.backend.core.kv_events import offset_endpoint
 
     cmd = [router_binary(), "--host", args.host, "--port", str(args.openai_port),
            "--policy", ROUTER_POLICIES[args.router], "--prometheus-port", str(prometheus_port),

@@ -17,12 +17,9 @@ from pagedserve.backend.core.kv_events import (
     BlockStored,
     KVEventsConfig,
     external_hash,
-)
-from pagedserve.backend.engine.kv_events import (
-    ZmqEventPublisher,
-    encode_batch,
     offset_endpoint,
 )
+from pagedserve.backend.engine.kv_events import ZmqEventPublisher, encode_batch
 
 
 def _free_port() -> int:

@@ -29,6 +29,16 @@ def external_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big") & (2**63 - 1)
 
 
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """vLLM's rule for data-parallel ranks: rank r publishes on the configured port + r (inproc: a suffix)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    base, _, port = endpoint.rpartition(":")
+    return f"{base}:{int(port) + rank}"
+
+
 @dataclass(slots=True)
 class BlockStored:
     """Consecutive blocks registered in the prefix cache: each one's hash, the hash of the block before the

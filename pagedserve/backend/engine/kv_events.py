@@ -28,6 +28,7 @@ from pagedserve.backend.core.kv_events import (
     BlockStored,
     KVEvent,
     KVEventsConfig,
+    offset_endpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,16 +54,6 @@ def encode_batch(events: list[KVEvent], timestamp: float, data_parallel_rank: in
     import msgpack
 
     return msgpack.packb([timestamp, [encode_event(e) for e in events], data_parallel_rank], use_bin_type=True)
-
-
-def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
-    """vLLM's rule for data-parallel ranks: rank r publishes on the configured port + r (inproc: a suffix)."""
-    if not endpoint or rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    base, _, port = endpoint.rpartition(":")
-    return f"{base}:{int(port) + rank}"
 
 
 class ZmqEventPublisher:
