@@ -180,3 +180,22 @@ def test_siglip_tower_with_a_qwen2_language_model_equals_transformers(tmp_path):
     expected = out[0, inputs["input_ids"].shape[1]:].tolist()
     engine = _engine(path, max_num_batched_tokens=8)
     assert _run(engine, [(prompt, images)])[0][0] == expected
+
+
+@pytest.mark.parametrize("num_blocks", [None, 20])
+def test_beams_with_images_equal_transformers_num_beams(llava_path, num_blocks):
+    """Beams over an image prompt; two such searches in a 20-block pool preempt each other's beams, which
+    recompute with the image."""
+    prompt, images = PROMPTS[0]
+    processor = transformers.AutoProcessor.from_pretrained(llava_path, local_files_only=True)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(llava_path, dtype=torch.float32).eval()
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, num_beams=3,
+                         num_return_sequences=3, eos_token_id=None, pad_token_id=0, length_penalty=1.0)
+    expected = [seq[inputs["input_ids"].shape[1]:].tolist() for seq in out]
+    settings = {} if num_blocks is None else {"num_blocks": num_blocks, "block_size": 4,
+                                              "enable_prefix_caching": False}
+    engine = _engine(llava_path, **settings)
+    params = SamplingParams(beam_width=3, n=3, max_tokens=MAX_NEW, ignore_eos=True, length_penalty=1.0)
+    assert _run(engine, [(prompt, images)] * 2, params) == [expected] * 2
+    assert (engine.scheduler.num_preemptions > 0) == (num_blocks is not None)

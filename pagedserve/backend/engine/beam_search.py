@@ -184,6 +184,7 @@ class BeamGroup(RequestGroup):
             arrival_time=parent.arrival_time,
             group_id=self.request_id,
             priority=parent.priority,
+            mm_inputs=parent.mm_inputs,  # a beam that recomputes its prompt needs its images
         )
         if parent.status == RequestStatus.RUNNING and parent.num_computed_tokens == parent.num_tokens:
             scheduler.fork_request(parent.request_id, child)
