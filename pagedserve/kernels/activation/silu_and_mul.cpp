@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "../native/cpu_common.h"
+#include "../native/parallel.h"
 
 // Full-width AVX-512 vectors where the CPU has them: these loops are compute-bound (exp, bf16 rounding).
 #pragma GCC target("prefer-vector-width=512")
@@ -20,11 +21,9 @@ constexpr int64_t kParallelElements = 1 << 16;
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter) {
   // Row-sized fp32 buffers and one simple loop per stage: each stage vectorises on its own.
-#pragma omp parallel if (rows * inter >= kParallelElements)
-  {
+  pagedserve::parallel_rows(rows, rows * inter, kParallelElements, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(inter), up(inter);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * 2 * inter;
       for (int64_t i = 0; i < inter; ++i) gate[i] = Elem<T>::load(row[i]);
       for (int64_t i = 0; i < inter; ++i) up[i] = Elem<T>::load(row[inter + i]);
@@ -32,7 +31,7 @@ void silu_and_mul(T* out, const T* x, int64_t rows, int64_t inter) {
       T* o = out + r * inter;
       for (int64_t i = 0; i < inter; ++i) o[i] = Elem<T>::store(gate[i] * up[i]);
     }
-  }
+  });
 }
 
 }  // namespace

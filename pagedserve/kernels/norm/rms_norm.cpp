@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../native/cpu_common.h"
+#include "../native/parallel.h"
 
 // Full-width AVX-512 vectors where the CPU has them: these loops are compute-bound (exp, bf16 rounding).
 #pragma GCC target("prefer-vector-width=512")
@@ -21,11 +22,9 @@ constexpr int64_t kParallelElements = 1 << 16;
 template <typename T>
 void rms_norm(T* out, T* summed, const T* x, const T* residual, const T* weight, int64_t rows, int64_t hidden,
               float eps) {
-#pragma omp parallel if (rows * hidden >= kParallelElements)
-  {
+  pagedserve::parallel_rows(rows, rows * hidden, kParallelElements, [&](int64_t begin, int64_t end) {
     std::vector<float> h(hidden);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * hidden;
       if (residual != nullptr) {
         const T* rr = residual + r * hidden;
@@ -44,7 +43,7 @@ void rms_norm(T* out, T* summed, const T* x, const T* residual, const T* weight,
         o[i] = Elem<T>::store(Elem<T>::load(weight[i]) * Elem<T>::round(h[i] * inv));
       }
     }
-  }
+  });
 }
 
 }  // namespace

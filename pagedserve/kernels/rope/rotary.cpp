@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../native/cpu_common.h"
+#include "../native/parallel.h"
 
 // Full-width AVX-512 vectors where the CPU has them: these loops are compute-bound (exp, bf16 rounding).
 #pragma GCC target("prefer-vector-width=512")
@@ -43,11 +44,10 @@ void rotary(T* q_out, T* k_out, const T* q, const T* k, const int64_t* positions
             int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t q_stride,
             int64_t k_stride) {
   const int64_t half = head_dim / 2;
-#pragma omp parallel if (tokens * (q_heads + kv_heads) >= kParallelHeads)
-  {
+  const int64_t heads = tokens * (q_heads + kv_heads);
+  pagedserve::parallel_rows(tokens, heads, kParallelHeads, [&](int64_t begin, int64_t end) {
     std::vector<float> cos(half), sin(half);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = begin; t < end; ++t) {
       load_cos_sin<T>(cos_sin + positions[t] * head_dim, cos.data(), sin.data(), half);
       for (int64_t h = 0; h < q_heads; ++h) {
         rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
@@ -57,7 +57,7 @@ void rotary(T* q_out, T* k_out, const T* q, const T* k, const int64_t* positions
                half);
       }
     }
-  }
+  });
 }
 
 // Rotary embedding of q into q_out, and of k straight into its KV-cache slot with v beside it (the
@@ -68,11 +68,10 @@ void rotary_and_cache(T* q_out, const T* q, const T* k, const T* v, const int64_
                       int64_t kv_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride) {
   const int64_t half = head_dim / 2;
   const int64_t slot_size = kv_heads * head_dim;
-#pragma omp parallel if (tokens * (q_heads + kv_heads) >= kParallelHeads)
-  {
+  const int64_t heads = tokens * (q_heads + kv_heads);
+  pagedserve::parallel_rows(tokens, heads, kParallelHeads, [&](int64_t begin, int64_t end) {
     std::vector<float> cos(half), sin(half);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = begin; t < end; ++t) {
       load_cos_sin<T>(cos_sin + positions[t] * head_dim, cos.data(), sin.data(), half);
       for (int64_t h = 0; h < q_heads; ++h) {
         rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
@@ -84,7 +83,7 @@ void rotary_and_cache(T* q_out, const T* q, const T* k, const T* v, const int64_
       }
       std::memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, slot_size * sizeof(T));
     }
-  }
+  });
 }
 
 }  // namespace

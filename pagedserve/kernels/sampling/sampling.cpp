@@ -5,11 +5,13 @@
 // Semantics follow pagedserve/kernels/sampling/reference.py: probs = exp((x - max) / T), tokens below min_p * max
 // prob (the max prob is 1 here) are dropped, the token is the first whose running sum exceeds u * total,
 // and the returned normaliser is max / T + log(total). -inf logits (top-k/top-p masks) get probability 0.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "../native/cpu_common.h"
+#include "../native/parallel.h"
 
 // Full-width AVX-512 vectors where the CPU has them: these loops are compute-bound (exp, bf16 rounding).
 #pragma GCC target("prefer-vector-width=512")
@@ -26,8 +28,9 @@ float row_max_of(const float* row, int64_t vocab) {
 }
 
 constexpr int64_t kChunk = 256;  // running sums are kept per chunk so the search skips whole chunks
-// Rows go to torch's OpenMP team (the library links torch's libgomp); a plain copy only when it is this large.
-constexpr int64_t kParallelElements = 1 << 18;
+// Rows go to torch's OpenMP team (native/parallel.h) from this many values: a 49k-token vocabulary's row is
+// enough for the draw; the widening, a plain copy, needs a few rows of it.
+constexpr int64_t kParallelElements = 1 << 16;
 
 // Unnormalised probs of one row into `probs`, chunk sums into `sums`; returns the row max.
 float row_probs(const float* logits, int64_t vocab, float inv_temp, float min_p, float* probs, double* sums) {
@@ -78,13 +81,11 @@ extern "C" {
 // max / T + log(total). Returns 0, or 2 where a row has no finite logit.
 int pagedserve_sample(const float* logits, const float* inv_temps, const float* min_ps, const double* uniforms,
                       int64_t* tokens, float* lse, int64_t rows, int64_t vocab) {
-  int status = 0;
-#pragma omp parallel if (rows > 1) reduction(max : status)
-  {
+  std::atomic<int> status{0};
+  pagedserve::parallel_rows(rows, rows * vocab, kParallelElements, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(vocab);
     std::vector<double> sums((vocab + kChunk - 1) / kChunk);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = begin; r < end; ++r) {
       const float row_max = row_probs(logits + r * vocab, vocab, inv_temps[r], min_ps[r], probs.data(),
                                       sums.data());
       double total = 0.0;
@@ -98,17 +99,15 @@ int pagedserve_sample(const float* logits, const float* inv_temps, const float* 
       tokens[r] = search(probs.data(), sums.data(), vocab, uniforms[r] * total);
       lse[r] = static_cast<float>(row_max * inv_temps[r] + std::log(total));
     }
-  }
+  });
   return status;
 }
 
 // The log-sum-exp of each fp32 row (for greedy rows' logprobs), one exp pass per row.
 int pagedserve_logsumexp(const float* logits, float* lse, int64_t rows, int64_t vocab) {
-#pragma omp parallel if (rows > 1)
-  {
+  pagedserve::parallel_rows(rows, rows * vocab, kParallelElements, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(vocab);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = begin; r < end; ++r) {
       const float* row = logits + r * vocab;
       const float row_max = row_max_of(row, vocab);
       if (!(row_max > -INFINITY)) {
@@ -123,15 +122,16 @@ int pagedserve_logsumexp(const float* logits, float* lse, int64_t rows, int64_t 
       for (int64_t i = 0; i < vocab; ++i) total += probs[i];
       lse[r] = static_cast<float>(row_max + std::log(total));
     }
-  }
+  });
   return 0;
 }
 
 // bf16 -> fp32 widening of n contiguous values (the logits), exact.
 int pagedserve_bf16_to_float(const void* src, float* dst, int64_t n) {
   const uint16_t* in = static_cast<const uint16_t*>(src);
-#pragma omp parallel for simd schedule(static) if (n >= kParallelElements)
-  for (int64_t i = 0; i < n; ++i) dst[i] = pagedserve::bf16_to_float(in[i]);
+  pagedserve::parallel_rows(n, n, kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = pagedserve::bf16_to_float(in[i]);
+  });
   return 0;
 }
 
