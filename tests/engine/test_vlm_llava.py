@@ -48,6 +48,12 @@ def expected(llava_path: Path) -> list[list[int]]:
     return outs
 
 
+@pytest.fixture(scope="module")
+def llava_engine(llava_path: Path) -> LLMEngine:
+    """One engine the refusal tests share (each leaves it idle with every block free)."""
+    return _engine(llava_path)
+
+
 def _engine(path: Path, **kwargs: Any) -> LLMEngine:
     return LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", max_model_len=256, **kwargs)
 
@@ -143,8 +149,8 @@ def test_image_bytes_equal_the_pil_image(llava_path, expected):
     ("Describe <image>", [42], "images", "must be image file bytes or a PIL image"),
     ("Describe " + "<image>" * 20, [IMAGES[0]] * 20, "prompt", "max_model_len"),
 ])
-def test_bad_image_input_is_refused_naming_the_field(llava_path, prompt, images, field, words):
-    engine = _engine(llava_path)
+def test_bad_image_input_is_refused_naming_the_field(llava_engine, prompt, images, field, words):
+    engine = llava_engine
     with pytest.raises(InvalidRequestError, match=words) as info:
         engine.add_request("bad", prompt, GREEDY, images=images)
     assert info.value.field == field
@@ -152,10 +158,10 @@ def test_bad_image_input_is_refused_naming_the_field(llava_path, prompt, images,
     assert engine.scheduler.block_manager.num_free_blocks == engine.runner.num_blocks
 
 
-def test_truncated_image_file_is_refused(llava_path):
+def test_truncated_image_file_is_refused(llava_engine):
     buffer = io.BytesIO()
     IMAGES[2].save(buffer, format="PNG")
-    engine = _engine(llava_path)
+    engine = llava_engine
     with pytest.raises(InvalidRequestError, match="images\\[0\\]") as info:
         engine.add_request("bad", "Describe <image>", GREEDY, images=[buffer.getvalue()[:-40]])
     assert info.value.field == "images"
