@@ -88,9 +88,9 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     num_tokens, heads, head_dim = q.shape
     cu = meta.cu_seqlens_q.to(torch.int64)
     num_seqs, longest = cu.numel() - 1, meta.max_seqlen_q
-    if num_seqs == 1:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
-        return out.transpose(0, 1)
+    if num_seqs == 1:  # [1, H, T, D]: SDPA's fused CPU kernel takes 4-D inputs (3-D ones went its slow way)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
     lens = cu[1:] - cu[:-1]
     seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), lens, output_size=num_tokens)
     slot = seq_idx * longest + torch.arange(num_tokens, device=q.device) - cu[seq_idx]
