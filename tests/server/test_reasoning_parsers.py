@@ -97,3 +97,17 @@ def test_unknown_parser_refused_at_start(add_arguments: str, capsys) -> None:
     assert info.value.code == 2
     error = capsys.readouterr().err
     assert "--reasoning-parser" in error and "deepseek_r1" in error
+
+
+def test_history_reasoning_reaches_the_template_as_reasoning_content() -> None:
+    from pagedserve.client.openai.errors import APIError
+    from pagedserve.client.openai.protocol import parse_chat_request
+
+    turn = {"role": "assistant", "content": "yes", "reasoning": "r", "reasoning_content": "r"}
+    request = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}, turn,
+                                                             {"role": "user", "content": "again"}]})
+    assert request.messages[1] == {"role": "assistant", "content": "yes", "reasoning_content": "r"}
+    for bad in ({"role": "user", "content": "q", "reasoning": "r"}, {**turn, "reasoning_content": 3}):
+        with pytest.raises(APIError) as info:
+            parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}, bad]})
+        assert info.value.param.startswith("messages[")

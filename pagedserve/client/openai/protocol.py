@@ -26,7 +26,12 @@ from pagedserve.client.openai.fields import (
 )
 from pagedserve.client.openai.images import image_part_text, message_images
 from pagedserve.client.openai.reasoning.choice import ReasoningRequest
-from pagedserve.client.openai.reasoning.fields import ReasoningFields, parse_reasoning_fields
+from pagedserve.client.openai.reasoning.fields import (
+    REASONING_KEYS,
+    ReasoningFields,
+    history_reasoning,
+    parse_reasoning_fields,
+)
 from pagedserve.client.openai.tools import (
     MESSAGE_KEYS,
     ToolChoice,
@@ -209,7 +214,7 @@ def _parse_message(message: Any, where: str) -> dict:
     for key, value in message.items():
         # A null field is an absent one (transformers drops them): a reply's message sent back as it came
         # carries refusal, audio and function_call as null.
-        if value is not None and key not in ("role", "content", "name", *MESSAGE_KEYS):
+        if value is not None and key not in ("role", "content", "name", *MESSAGE_KEYS, *REASONING_KEYS):
             raise bad_request(f"'{where}.{key}' is not supported by pagedserve", f"{where}.{key}")
     text = _message_text(message.get("content"), f"{where}.content", allow_none=role == "assistant")
     entry = {"role": "system" if role == "developer" else role, "content": _utf8(text, f"{where}.content"),
@@ -219,6 +224,7 @@ def _parse_message(message: Any, where: str) -> dict:
         if not isinstance(name, str):
             raise bad_request(f"'{where}.name' must be a string", f"{where}.name")
         entry["name"] = _utf8(name, f"{where}.name")
+    entry.update(history_reasoning(message, where))
     return entry
 
 

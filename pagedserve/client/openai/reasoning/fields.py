@@ -14,6 +14,8 @@ from pagedserve.client.openai.reasoning.choice import ReasoningRequest
 
 REASONING_FIELDS = {"include_reasoning", "thinking_token_budget", "reasoning_effort"}
 EFFORTS = ("minimal", "low", "medium", "high")
+# An assistant message sent back with its reasoning (our replies carry both names).
+REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
 @dataclass(frozen=True)
@@ -54,3 +56,15 @@ def reasoning_request(parser: ReasoningParser | None, fields: ReasoningFields, p
         if fields.budget is not None:
             sampling["thinking_token_budget"] = fields.budget
     return ReasoningRequest(parser, phase, fields.include)
+
+
+def history_reasoning(message: dict, where: str) -> dict:
+    """A past assistant message's reasoning as `reasoning_content`, the name chat templates read (Qwen3's
+    renders it, most drop it); refused on other roles or when it is not text."""
+    given = [key for key in REASONING_KEYS if message.get(key) is not None]
+    if not given:
+        return {}
+    key = given[-1]
+    if message.get("role") != "assistant" or not isinstance(message[key], str):
+        raise bad_request(f"'{where}.{key}' must be text, on an assistant message", f"{where}.{key}")
+    return {"reasoning_content": message[key]}
