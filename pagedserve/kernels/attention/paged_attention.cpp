@@ -85,7 +85,7 @@ constexpr int kAhead = 2;  // tiles between the one computed and the one prefetc
 
 // Software prefetch of a tile's K and V rows (a block anywhere in the cache, which the hardware prefetcher
 // cannot guess), issued a few lines at a time between the computations of a tile `kAhead` earlier: a burst
-// of a whole tile's lines would stall on the core's few line-fill buffers (docs/benchmarks.md, issue 30).
+// of a whole tile's lines would stall on the core's few line-fill buffers.
 template <typename T>
 struct Prefetcher {
   Tile<T> tile;
