@@ -111,3 +111,15 @@ def test_history_reasoning_reaches_the_template_as_reasoning_content() -> None:
         with pytest.raises(APIError) as info:
             parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}, bad]})
         assert info.value.param.startswith("messages[")
+
+
+def test_serve_hands_the_parser_to_the_shim() -> None:
+    import argparse
+
+    from pagedserve.client import launcher
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    flags = launcher._tool_flags(parser.parse_args(["--reasoning-parser", "deepseek_r1"]))
+    assert flags[flags.index("--reasoning-parser") + 1] == "deepseek_r1"
+    assert "--reasoning-parser" not in launcher._tool_flags(parser.parse_args([]))
