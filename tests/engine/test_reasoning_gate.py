@@ -86,3 +86,20 @@ def test_end_marker_outside_the_vocabulary_is_refused(engine) -> None:
     with pytest.raises(InvalidRequestError) as info:
         engine.generate("x", SamplingParams(max_tokens=2, reasoning_end_token_ids=[10**6]))
     assert info.value.field == "reasoning_end_token_ids"
+
+
+@pytest.mark.slow
+def test_drafts_verified_through_the_gate_give_the_same_tokens(tiny_llama_path, engine, end_ids) -> None:
+    """n-gram drafts are masked and rolled back through the gate (thinking, forced marker, grammar)."""
+    from tests.support.speculation import PROMPTS, run, spec
+
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, reasoning_end_token_ids=end_ids,
+                            thinking_token_budget=10, structured_outputs={"json": SCHEMA})
+    plain = run(cpu_engine(tiny_llama_path, block_size=4, num_blocks=128, max_model_len=256), PROMPTS, params)
+    drafted_engine = cpu_engine(tiny_llama_path, block_size=4, num_blocks=128, max_model_len=256,
+                                speculative_config=spec(3))
+    drafted = run(drafted_engine, PROMPTS, params)
+    assert drafted_engine.get_stats().spec_decode_num_drafts > 0
+    for key, completion in plain.items():
+        assert drafted[key].token_ids == completion.token_ids
+        assert completion.token_ids[10:10 + len(end_ids)] == end_ids
