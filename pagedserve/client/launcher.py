@@ -31,6 +31,7 @@ from pagedserve.backend.model.default_model import DEFAULT_MODEL_FORMS, MODEL_NA
 from pagedserve.client import fleet
 from pagedserve.client.engine_flags import add_engine_arguments, engine_flag_parameters
 from pagedserve.client.lora_options import add_lora_arguments, lora_modules, lora_parameters, lora_shim_flags
+from pagedserve.client.media_options import add_media_arguments, media_shim_flags
 from pagedserve.client.metrics_text import fetch_metrics, instance_metrics, model_metric  # noqa: F401 - callers' names
 from pagedserve.client.model_repository import (  # noqa: F401 - launcher's names for its callers
     DEFAULT_MODEL_REPOSITORY,
@@ -304,7 +305,7 @@ def _tool_flags(args: argparse.Namespace) -> list[str]:
     if args.exclude_tools_when_tool_choice_none:
         flags.append("--exclude-tools-when-tool-choice-none")
     flags += ["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []
-    return flags
+    return flags + media_shim_flags(args)  # and the media flags (client/media_options.py)
 
 
 def spawn_openai_shim(triton_grpc_url: str, metrics_url: str, host: str, port: int, *shim_args: str,
@@ -422,18 +423,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='the shim keeps the tools from the chat template when tool_choice is "none"')
     parser.add_argument("--reasoning-parser", default=None, metavar="NAME", type=reasoning_parser_name,
                         help="the shim splits the model's thinking from its answer: qwen3, deepseek_r1, ...")
-    parser.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="set an llm engine parameter of config.pbtxt, e.g. max_model_len=4096 (repeatable)",
-    )
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="set an llm engine parameter of config.pbtxt, e.g. max_model_len=4096 (repeatable)")
     parser.add_argument("--model-repository", type=Path, default=DEFAULT_MODEL_REPOSITORY)
     parser.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
     add_engine_arguments(parser.add_argument_group("engine parameters (the llm model's config.pbtxt parameters)"))
     add_lora_arguments(parser)
+    add_media_arguments(parser)
     fleet.add_arguments(parser)
 
 

@@ -31,7 +31,7 @@ def test_data_url_parts_become_markers_and_images_in_order():
     assert request.images == [PNG, other]
 
 
-@pytest.mark.parametrize("url", ["http://example.com/cat.png", "data:image/png,rawbytes", "data:text/plain;base64,"
+@pytest.mark.parametrize("url", ["ftp://example.com/cat.png", "data:image/png,rawbytes", "data:text/plain;base64,"
                                  + PNG, "data:image/png;base64,***"])
 def test_other_urls_and_bad_data_are_refused_naming_the_url(url):
     with pytest.raises(APIError) as info:
@@ -51,3 +51,16 @@ def test_a_model_without_an_image_token_refuses_images(tmp_path):
     with pytest.raises(APIError, match="takes no images") as info:
         with_placeholders(IMAGE_MARKER, tmp_path)
     assert info.value.param == "messages"
+
+
+def test_http_urls_are_kept_for_the_fetch_and_refused_by_default_naming_the_url():
+    import asyncio
+
+    from pagedserve.client.openai.media import MediaSettings, resolve_images
+
+    request = parse_chat_request(_chat(_image(f"data:image/png;base64,{PNG}"), _image("http://example.com/cat.png")))
+    assert request.images == [PNG, "http://example.com/cat.png"]
+    assert request.image_params == ["messages[0].content[0].image_url.url", "messages[0].content[1].image_url.url"]
+    with pytest.raises(APIError, match="fetches no http") as info:
+        asyncio.run(resolve_images(request.images, request.image_params, MediaSettings()))
+    assert info.value.param == "messages[0].content[1].image_url.url"

@@ -1,7 +1,8 @@
 """Chat content parts that carry images: `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`.
 Each part stands in the message's text as a marker until the chat template has rendered the messages; the markers
 then become the model's own image placeholder (its processor's `image_token`), and the images go to the `llm`
-model's `image` input in prompt order. http(s) URLs are not fetched (refused naming the part's url)."""
+model's `image` input in prompt order. http(s) URLs are kept as they are here and fetched once the request is
+parsed (media.py), from hosts --allowed-media-domains lists only."""
 
 from __future__ import annotations
 
@@ -13,18 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.client.openai.errors import bad_request
+from pagedserve.client.openai.media import is_http_url
 
 IMAGE_MARKER = "\x00pagedserve-image\x00"  # a text holding it makes a placeholder count the engine refuses
-MAX_IMAGES = 16  # the llm model's limit a request (triton/image_inputs.py)
 
 
 def image_part_text(part: dict, where: str) -> str:
     """The marker an image_url part leaves in its message's text, once its URL is checked."""
     url = _url(part, where)
+    if is_http_url(url):
+        return IMAGE_MARKER  # fetched (or refused naming this url) by media.resolve_images
     header, _, payload = url.partition(",")
     if not (header.startswith("data:image/") and header.endswith(";base64")) or not payload:
-        raise bad_request("image_url.url must be a data:image/...;base64, URL (pagedserve fetches no http(s) "
-                          "images)", f"{where}.image_url.url")
+        raise bad_request("image_url.url must be a data:image/...;base64, or an http(s) URL",
+                          f"{where}.image_url.url")
     try:
         base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -32,15 +35,18 @@ def image_part_text(part: dict, where: str) -> str:
     return IMAGE_MARKER
 
 
-def message_images(messages: list[Any]) -> list[str]:
-    """The base64 payloads of every image_url part of the (checked) messages, in order."""
-    images = [part["image_url"]["url"].partition(",")[2] if isinstance(part["image_url"], dict)
-              else part["image_url"].partition(",")[2]
-              for message in messages if isinstance(message.get("content"), list)
-              for part in message["content"] if isinstance(part, dict) and part.get("type") == "image_url"]
-    if len(images) > MAX_IMAGES:
-        raise bad_request(f"at most {MAX_IMAGES} images a request, got {len(images)}", "messages")
-    return images
+def message_images(messages: list[Any]) -> tuple[list[str], list[str]]:
+    """The image of every image_url part of the (checked) messages, in order: a data URL's base64 payload or an
+    http(s) URL as it is; and each part's url field name (for refusals of the fetch)."""
+    images, params = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = _url(part, "")
+                images.append(url if is_http_url(url) else url.partition(",")[2])
+                params.append(f"messages[{i}].content[{j}].image_url.url")
+    return images, params
 
 
 def with_placeholders(prompt: str, model_dir: str | Path) -> str:

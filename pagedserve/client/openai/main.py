@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedserve.client.media_options import add_media_arguments, image_limit
 from pagedserve.client.openai.lora import (
     RUNTIME_UPDATES_ENV,
     RUNTIME_UPDATES_FLAG,
     LoRASettings,
     runtime_updates_from_env,
 )
+from pagedserve.client.openai.media import MediaSettings
 from pagedserve.client.openai.reasoning import REASONING_PARSERS
 from pagedserve.client.openai.shim import DEFAULT_MAX_BODY_BYTES, ShimSettings
 from pagedserve.client.openai.tool_parsers import TOOL_PARSERS
@@ -45,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"${RUNTIME_UPDATES_ENV}, as vLLM reads it)")
     parser.add_argument("--lora-separator", default=None, metavar="SEP",
                         help="a model name MODEL<SEP>ADAPTER names a LoRA adapter too (Triton's OpenAI frontend)")
+    add_media_arguments(parser)
 
 
 def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         responses_store_size=args.responses_store_size,
         responses_store_max_age_s=args.responses_store_max_age,
+        media=MediaSettings(tuple(args.allowed_media_domains), args.media_fetch_timeout, args.media_max_bytes,
+                            image_limit(args)),
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
     return 0

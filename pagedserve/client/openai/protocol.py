@@ -102,6 +102,7 @@ class ChatRequest(GenerationRequest):
     reasoning_fields: ReasoningFields = field(default_factory=ReasoningFields)
     reasoning: ReasoningRequest | None = None  # the split of thinking from answer, once the prompt is rendered
     images: list[str] = field(default_factory=list)  # base64 image files of image_url parts, in order
+    image_params: list[str] = field(default_factory=list)  # each image's url field name
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:
@@ -166,7 +167,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
                           _add_special_tokens(body, default=False), param_renames=renames, messages=messages,
                           tools=tools, options=parse_chat_options(body, messages),
                           reasoning_fields=parse_reasoning_fields(body))
-    request.images = message_images(body["messages"])
+    request.images, request.image_params = message_images(body["messages"])
     if request.reasoning_fields.effort is not None:  # for templates that read it (gpt-oss's)
         request.options.template_kwargs.setdefault("reasoning_effort", request.reasoning_fields.effort)
     _validate_sampling(request)

@@ -14,6 +14,7 @@ from pagedserve.client.model_repository import tokenizer_folder
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError, bad_request
 from pagedserve.client.openai.lora import AdapterRegistry, LoRASettings
+from pagedserve.client.openai.media import MediaSettings
 from pagedserve.client.openai.protocol import GenerationRequest
 from pagedserve.client.openai.reasoning import REASONING_PARSERS, ReasoningParser
 from pagedserve.client.openai.tools import ToolSettings
@@ -39,6 +40,7 @@ class ShimSettings:
     # The Responses API's store: at most this many responses, each kept this many seconds (oldest evicted).
     responses_store_size: int = 1024
     responses_store_max_age_s: float = 3600.0
+    media: MediaSettings = field(default_factory=MediaSettings)  # image_url fetching and the image limit
 
 
 class OpenAIShim:
