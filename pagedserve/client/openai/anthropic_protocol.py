@@ -1,7 +1,7 @@
 """Anthropic's Messages API read into the chat request the shim serves, and its error shape.
 
-`system`, `messages` with text / tool_use / tool_result (/ thinking, not rendered again) blocks, `tools`
-(input_schema), `tool_choice` (auto / any / tool / none), `max_tokens` (required), `stop_sequences`,
+`system`, `messages` with text / image (base64 sources) / tool_use / tool_result (/ thinking, not rendered again)
+blocks, `tools` (input_schema), `tool_choice` (auto / any / tool / none), `max_tokens` (required), `stop_sequences`,
 `temperature`, `top_p`, `top_k`, `thinking` (enabled with budget_tokens: the template opens the thinking and
 the budget forces its end; disabled: closed in the prompt). Every refusal names its field."""
 
@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from pagedserve.client.openai.errors import APIError, bad_request
+from pagedserve.client.openai.image_parts import anthropic_image_part
 from pagedserve.client.openai.protocol import refuse_unknown_fields
 
 MESSAGES_FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
@@ -99,7 +100,9 @@ def _blocks(role: str, blocks: list, where: str, calls: set[str]) -> list[dict]:
         at = f"{where}.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            texts.append(anthropic_image_part(block, at))
         elif kind == "tool_use" and role == "assistant":
             tool_calls.append(_tool_use(block, at))
             calls.add(block["id"])
@@ -107,7 +110,8 @@ def _blocks(role: str, blocks: list, where: str, calls: set[str]) -> list[dict]:
             results.append(_tool_result(block, at, calls))
         elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
             raise bad_request(f"{at}.type: {kind!r} is not a {role} block pagedserve takes", f"{at}.type")
-    text = "".join(texts)
+    # Text blocks joined; with images, the chat's parts in order (image_parts.py).
+    text = texts if any(part["type"] == "image_url" for part in texts) else "".join(p["text"] for p in texts)
     if role == "assistant":
         return [{"role": "assistant", "content": text or None, **({"tool_calls": tool_calls} if tool_calls else {})}]
     return results + ([{"role": "user", "content": text}] if texts or not results else [])

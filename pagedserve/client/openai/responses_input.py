@@ -1,6 +1,7 @@
 """A Responses API request (`POST /v1/responses`) read into the chat request the shim already serves: the
-`input` string or items become chat messages after a stored conversation's history, `instructions` a system
-message, function tools and `text.format` their chat forms; every refusal names its field."""
+`input` string or items become chat messages after a stored conversation's history (input_image parts the chat's
+image_url parts), `instructions` a system message, function tools and `text.format` their chat forms; every
+refusal names its field."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.client.openai.errors import bad_request
+from pagedserve.client.openai.image_parts import input_image_part
 from pagedserve.client.openai.protocol import model_field, refuse_unknown_fields
 from pagedserve.client.openai.reasoning.fields import EFFORTS
 
@@ -98,16 +100,26 @@ def _message(item: dict, where: str) -> dict:
         raise bad_request(f"'{where}.role' must be one of {list(MESSAGE_ROLES)}", f"{where}.role")
     content = item.get("content")
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise bad_request(f"'{where}.content[{j}]' must be a text part (input_text or output_text)",
-                                  f"{where}.content[{j}]")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise bad_request(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
+        content = _parts(content, where)
+    if not isinstance(content, (str, list)):
+        raise bad_request(f"'{where}.content' must be a string or a list of content parts", f"{where}.content")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _parts(content: list, where: str) -> str | list[dict]:
+    """A message's parts: their text joined, or with images the chat parts in order (image_parts.py)."""
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append(input_image_part(part, at))
+        elif isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise bad_request(f"'{at}' must be a text part (input_text or output_text) or an input_image", at)
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
 def _function_call(item: dict, where: str, messages: list[dict]) -> None:

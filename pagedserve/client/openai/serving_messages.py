@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.client.openai.anthropic_protocol import anthropic_error, chat_body
-from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, triton_api_error
+from pagedserve.client.openai.errors import TRITON_ERRORS, APIError
+from pagedserve.client.openai.image_parts import anthropic_image_fields, llm_error
 from pagedserve.client.openai.serving_chat import ChatGeneration
 from pagedserve.client.openai.shim import OpenAIShim
 from pagedserve.client.openai.streams import ClientGone, merge_streams, unless_disconnected
@@ -79,6 +80,10 @@ class MessagesRun:
                 "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
 
+    def _llm_error(self, error: Exception) -> APIError:
+        """The llm model's error, an image's refusal naming that image block's data."""
+        return llm_error(error, self.generation.request.param_renames, anthropic_image_fields(self.body), "messages")
+
     def _stop(self, finish: str | None, text: str) -> tuple[str | None, str | None]:
         """Anthropic's stop_reason and stop_sequence; a stop sequence is found at the text's end (kept there by
         include_stop_str_in_output and cut by the caller)."""
@@ -93,7 +98,7 @@ class MessagesRun:
         try:
             completion = await unless_disconnected(request, self.generation.run(merged))
         except TRITON_ERRORS as error:
-            raise triton_api_error(error, self.generation.request.param_renames) from error
+            raise self._llm_error(error) from error
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -139,7 +144,7 @@ class MessagesRun:
                             yield _sse(name, event)
                         finish = choice["finish_reason"] or finish
         except TRITON_ERRORS as error:
-            failed = triton_api_error(error, self.generation.request.param_renames)
+            failed = self._llm_error(error)
         finally:
             await merged.aclose()
         if not started:

@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, bad_request, triton_api_error
+from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, bad_request
+from pagedserve.client.openai.image_parts import llm_error, responses_image_fields
 from pagedserve.client.openai.responses_input import ResponsesInput, read_responses_request
 from pagedserve.client.openai.responses_output import EventWriter, history_messages, new_id, output_items
 from pagedserve.client.openai.responses_store import ResponseStore, StoredResponse
@@ -71,6 +72,7 @@ class ResponseRun:
         self.id, self.created_at = new_id("resp"), time.time()
         self.request_body = body
         self.entry: StoredResponse | None = None
+        self.image_fields: list[str] = []  # the field of each image the llm model gets, for its refusals
 
     @classmethod
     async def start(cls, shim: OpenAIShim, store: ResponseStore, request: Request, body: dict) -> Response:
@@ -86,6 +88,7 @@ class ResponseRun:
         except APIError as error:
             raise _renamed(error) from error
         run = cls(store, read, body, generation)
+        run.image_fields = responses_image_fields(body, previous)
         if read.store:
             run.entry = store.put(run.body("in_progress", []), read.history)
         if read.stream:
@@ -130,7 +133,7 @@ class ResponseRun:
             completion = await unless_disconnected(request, self.generation.run(merged))
         except TRITON_ERRORS as error:
             self._drop()
-            raise _renamed(triton_api_error(error, self.generation.request.param_renames)) from error
+            raise self._llm_error(error) from error
         except ClientGone:
             self._drop()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -139,6 +142,10 @@ class ResponseRun:
         (choice,) = completion["choices"]
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         return JSONResponse(self._finish(status, output_items(choice["message"])))
+
+    def _llm_error(self, error: Exception) -> APIError:
+        """The llm model's error named as this request names the field (an image by its input_image part)."""
+        return _renamed(llm_error(error, self.generation.request.param_renames, self.image_fields, "input"))
 
     def _drop(self) -> None:
         """A response that failed before its answer is not kept."""
@@ -164,7 +171,7 @@ class ResponseRun:
                 if self.entry is not None and self.entry.cancelled:
                     break
         except TRITON_ERRORS as failure:
-            error = _renamed(triton_api_error(failure, self.generation.request.param_renames)).body()["error"]
+            error = self._llm_error(failure).body()["error"]
         finally:
             await merged.aclose()
         for event in writer.close():
