@@ -83,27 +83,15 @@ class Embeddings(nn.Module):
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                             scale: float) -> torch.Tensor:  # [T, H, D] each -> [T, H, D]
-    """Each sequence's queries over all its own keys: one SDPA call, sequences padded to the longest and the
-    padding masked (no mask at all for one sequence)."""
-    num_tokens, heads, head_dim = q.shape
-    cu = meta.cu_seqlens_q.to(torch.int64)
-    num_seqs, longest = cu.numel() - 1, meta.max_seqlen_q
-    if num_seqs == 1:  # [1, H, T, D]: SDPA's fused CPU kernel takes 4-D inputs (3-D ones went its slow way)
-        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)[0].transpose(0, 1)
-    lens = cu[1:] - cu[:-1]
-    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), lens, output_size=num_tokens)
-    slot = seq_idx * longest + torch.arange(num_tokens, device=q.device) - cu[seq_idx]
-
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [S, H, L, D]
-        out = x.new_zeros(num_seqs * longest, heads, head_dim)
-        out[slot] = x
-        return out.view(num_seqs, longest, heads, head_dim).transpose(1, 2)
-
-    valid = torch.arange(longest, device=q.device)[None, :] < lens[:, None]  # [S, L]
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=valid[:, None, None, :],
-                                         scale=scale)
-    return out.transpose(1, 2).reshape(num_seqs * longest, heads, head_dim)[slot]
+    """Each sequence's queries over all its own keys: one SDPA call a sequence with 4-D inputs [1, H, L, D]
+    (SDPA's fused CPU kernel; one padded, masked call over all the step's sequences took its slow path and
+    attended to the padding)."""
+    bounds = meta.cu_seqlens_q.tolist()
+    out = torch.empty_like(q)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
+    return out
 
 
 class SelfAttention(nn.Module):
