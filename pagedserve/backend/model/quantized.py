@@ -72,17 +72,19 @@ def quantize_projections(model: nn.Module, method: str) -> int:
 
 
 def prepare_quantized(model: nn.Module) -> None:
-    """Build the packed form of every weight a QuantizedLinear multiplies by, for its device, now, at load, not in
-    the first step; a table only looked up by rows is not packed (the packed copy would go unused). A tied table
-    keeps its canonical integers too when its packed form cannot give rows back cheaply (torch's int4 packing)."""
+    """Build every quantized weight's packed form for its device now, at load, not in the first step. An embedding
+    table is held once: as the native CPU kernel's tiles when it packs it (they give any rows back directly), else
+    as its canonical integers, which a tied table keeps beside a packing that cannot give rows back cheaply
+    (torch's int4) and an untied one keeps alone (a packed copy would go unused)."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedEmbedding)}
     linears = {id(m.weight) for m in model.modules() if isinstance(m, QuantizedLinear)}
     for weight in quantized_weights(model):
-        if id(weight) not in linears:
-            continue
-        ql.prepare(weight, release=id(weight) not in tables or weight.bits == 8)
-        if id(weight) in tables and "cpu_native" in weight.packed:  # its tiles give any rows back directly
+        table = id(weight) in tables
+        ql.prepare(weight, release=not table or weight.bits == 8)
+        if table and "cpu_native" in weight.packed:
             ql.prepare(weight, release=True)
+        elif table and id(weight) not in linears and weight.qweight is not None:
+            weight.packed.clear()
 
 
 def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
