@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_step.json"
+_clock = time.perf_counter  # --cpu-time: time.process_time (one thread on a shared, loaded box)
 BUCKETS = ("decode_attn", "prefill_attn", "cache_gather", "rotary_kv_write", "gemm", "norm", "activation",
            "sampler", "other")
 
@@ -48,12 +50,12 @@ class StepTimer:
         def timed(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
-            self._stack.append([bucket, time.perf_counter(), 0.0])
+            self._stack.append([bucket, _clock(), 0.0])
             try:
                 return fn(*args, **kwargs)
             finally:
                 name, start, child = self._stack.pop()
-                elapsed = time.perf_counter() - start
+                elapsed = _clock() - start
                 self.totals[name] += elapsed - child
                 if self._stack:
                     self._stack[-1][2] += elapsed
@@ -108,11 +110,11 @@ def _prompt(rng: torch.Generator, n: int, vocab: int) -> list[int]:
 def _time_steps(engine, timer: StepTimer, steps: int) -> dict:
     """Run `steps` engine steps under the timer; per-step milliseconds by bucket."""
     timer.totals.clear()
-    start = time.perf_counter()
+    start = _clock()
     with timer.measure():
         for _ in range(steps):
             engine.step()
-    total = time.perf_counter() - start
+    total = _clock() - start
     out = {b: timer.totals.get(b, 0.0) for b in BUCKETS if b != "other"}
     out["other"] = total - sum(out.values())
     return {"total_ms": round(1000 * total / steps, 3), **{b: round(1000 * v / steps, 3) for b, v in out.items()}}
@@ -178,10 +180,10 @@ def profile_workload(engine, timer: StepTimer, name: str, vocab: int, quick: boo
 
     engine.step = counted_step
     timer.totals.clear()
-    start = time.perf_counter()
+    start = _clock()
     with timer.measure():
         engine.generate(workload.prompts, params)
-    total = time.perf_counter() - start
+    total = _clock() - start
     engine.step = step
     out = {b: timer.totals.get(b, 0.0) for b in BUCKETS if b != "other"}
     out["other"] = total - sum(out.values())
@@ -221,6 +223,10 @@ def main() -> None:
     parser.add_argument("--kinds", default="decode,prefill", help="comma list of decode, prefill")
     parser.add_argument("--single-pass-prefill", action="store_true",
                         help="A/B: a chunk after a prefix as one masked SDPA (the path before the two-pass merge)")
+    parser.add_argument("--sdpa-prefill", action="store_true",
+                        help="A/B: prefill chunks on SDPA, not the native kernel over the block table (bf16, AMX)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time in this process's CPU time (with --threads 1: steadier on a loaded machine)")
     parser.add_argument("--workload", default=None,
                         help="profile bench/throughput.py's preset run instead (with --quick: its --quick run)")
     parser.add_argument("--output", default=str(RESULTS))
@@ -229,6 +235,11 @@ def main() -> None:
         from pagedserve.kernels.attention import cpu
 
         cpu._flash_with_lse = None
+    if args.sdpa_prefill:
+        os.environ["PAGEDSERVE_PREFILL_KERNEL"] = "0"
+    if args.cpu_time:
+        global _clock
+        _clock = time.process_time
     if args.quick and not args.workload:
         args.batches, args.contexts, args.steps = "1,4", "256,1024", 4
 
