@@ -2,12 +2,16 @@
 
 Both talk to tritonserver's `llm` model over gRPC; Ctrl-C cancels the running request on the server.
 With `--json-schema FILE`, `--regex PATTERN` or `--choice TEXT` (repeated) every reply is constrained to it.
+With `--image FILE` (repeated) the images go to the llm model's `image` input: `generate`'s prompt holds the
+model's placeholders itself; `chat` puts one placeholder an image (the processor's image token) before the first
+message's text and sends the images with every turn, as the conversation's prompt holds them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import sys
 from pathlib import Path
@@ -38,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--frequency-penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--image", action="append", type=_image_file, default=[], metavar="FILE",
+                        help="an image for a vision-language model (repeatable; generate: the prompt holds the "
+                             "model's placeholder for each, e.g. <image>)")
     _add_structured_arguments(parser)
 
 
@@ -66,6 +73,26 @@ def _json_schema_file(path: str) -> dict | bool:
         kind = type(schema).__name__
         raise argparse.ArgumentTypeError(f"{path} must hold a JSON Schema object, got {kind}")
     return schema
+
+
+def _image_file(path: str) -> str:
+    """The base64 of image file `path` (the llm model's `image` element); argparse reports a failure."""
+    try:
+        return base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def with_image_placeholders(text: str, count: int, folder: str | Path) -> str:
+    """The first user message's text after one image placeholder an image (the model processor's token)."""
+    if not count:
+        return text
+    from pagedserve.client.openai.images import image_placeholder
+
+    placeholder = image_placeholder(str(folder))
+    if placeholder is None:
+        raise ValueError(f"the model in {folder} takes no images (no processor with an image token)")
+    return "".join(f"{placeholder}\n" for _ in range(count)) + text
 
 
 def sampling_parameters(args: argparse.Namespace) -> dict:
@@ -107,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
 async def _generate(args: argparse.Namespace) -> int:
     client = TritonLLMClient(args.url)
     try:
-        stream = client.generate(args.prompt, sampling_parameters=sampling_parameters(args), stream=args.stream)
+        stream = client.generate(args.prompt, sampling_parameters=sampling_parameters(args), stream=args.stream,
+                                 images=args.image or None)
         async for response in stream:
             sys.stdout.write(response.text[0])
             sys.stdout.flush()
@@ -129,6 +157,11 @@ async def _chat(args: argparse.Namespace) -> int:
             return 2
         # A .gguf file (the default model's default form) keeps its template in the folder made from its metadata.
         template = ChatTemplate.from_model_dir(tokenizer_folder(folder))
+        try:
+            first = with_image_placeholders("", len(args.image), tokenizer_folder(folder))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         messages = [{"role": "system", "content": args.system}] if args.system else []
         interactive = sys.stdin.isatty()
         if interactive:
@@ -138,6 +171,8 @@ async def _chat(args: argparse.Namespace) -> int:
             line = await loop.run_in_executor(None, _read_line, "you> " if interactive else "")
             if line is None or line.strip() in EXIT_WORDS or (interactive and not line.strip()):
                 return 0
+            if not any(message["role"] == "user" for message in messages):
+                line = first + line
             messages.append({"role": "user", "content": line})
             reply = await _stream_reply(client, template.render(messages), args, interactive)
             messages.append({"role": "assistant", "content": reply})
@@ -152,7 +187,7 @@ async def _stream_reply(client: TritonLLMClient, prompt: str, args: argparse.Nam
     parts = []
     # The rendered template holds the special tokens it wants: none are added on top (as in vLLM's chat API).
     async for response in client.generate(prompt, sampling_parameters=sampling_parameters(args), stream=True,
-                                          add_special_tokens=False):
+                                          add_special_tokens=False, images=args.image or None):
         parts.append(response.text[0])
         sys.stdout.write(response.text[0])
         sys.stdout.flush()

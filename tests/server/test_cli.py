@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import re
 import subprocess
@@ -152,3 +153,20 @@ def test_chat_with_choices_answers_every_turn_with_one_of_them(triton_server):
     assert done.returncode == 0, done.stderr
     replies = done.stdout.splitlines()
     assert len(replies) == 2 and set(replies) <= {"red", "green", "blue"}, done.stdout
+
+
+def test_image_flags_read_files_and_chat_needs_a_model_with_an_image_token(tmp_path, capsys):
+    image = tmp_path / "cat.png"
+    image.write_bytes(b"\x89PNG bytes")
+    parser = argparse.ArgumentParser()
+    commands.add_arguments(parser, "generate")
+    args = parser.parse_args([PROMPT, "--image", str(image), "--image", str(image)])
+    assert args.image == [base64.b64encode(b"\x89PNG bytes").decode()] * 2
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args([PROMPT, "--image", str(tmp_path / "missing.png")])
+    assert exited.value.code == 2 and "--image" in capsys.readouterr().err
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
+    assert commands.with_image_placeholders("Hi", 2, tmp_path) == "<image>\n<image>\nHi"
+    assert commands.with_image_placeholders("Hi", 0, tmp_path / "none") == "Hi"
+    with pytest.raises(ValueError, match="takes no images"):
+        commands.with_image_placeholders("Hi", 1, tmp_path / "none")

@@ -108,3 +108,39 @@ def test_openai_chat_image_url_data_part_gives_the_engines_text(llava_server, ll
     assert reply.choices[0].message.content == outputs[0].outputs[0].text
     assert reply.usage.prompt_tokens == len(outputs[0].prompt_token_ids) > 16
     llava_server.wait_idle()
+
+
+def test_cli_generate_and_chat_send_their_image_files(llava_server, llava_path, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from pagedserve.client.cli import main
+    from pagedserve.client.openai.chat_template import ChatTemplate
+
+    files = [tmp_path / "a.png", tmp_path / "b.png"]
+    for seed, path in enumerate(files, start=3):
+        path.write_bytes(_png(seed))
+    encoded = [base64.b64encode(path.read_bytes()).decode() for path in files]
+    sampling = {"temperature": 0.0, "max_tokens": 8}
+
+    def greedy(prompt: str, images: list[str], **flags: bool) -> str:
+        result = llava_server.grpc_stream("llm", {"text_input": prompt, "sampling_parameters": sampling,
+                                                  "exclude_input_in_output": True, "image": images, **flags})
+        assert result.error is None
+        return result.texts()[0]
+
+    code = main(["generate", PROMPT, "--url", llava_server.grpc_url, "--temperature", "0", "--max-tokens", "8",
+                 "--image", str(files[0])])
+    assert code == 0 and capsys.readouterr().out == greedy(PROMPT, encoded[:1]) + "\n"
+    done = subprocess.run([sys.executable, "-m", "pagedserve.client.cli", "chat", "--url", llava_server.grpc_url,
+                           "--temperature", "0", "--max-tokens", "8", "--image", str(files[0]), "--image",
+                           str(files[1])], input="What are these?\nAnd again\n", capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    template = ChatTemplate.from_model_dir(llava_path)
+    messages = [{"role": "user", "content": "<image>\n<image>\nWhat are these?"}]
+    first = greedy(template.render(messages), encoded, add_special_tokens=False)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And again"}]
+    second = greedy(template.render(messages), encoded, add_special_tokens=False)
+    assert done.stdout == f"{first}\n{second}\n"
+    llava_server.wait_idle()
