@@ -50,7 +50,7 @@ def test_portable_kernel_applies_window_and_soft_cap(mods):
 
 @needs_native
 @pytest.mark.parametrize("use_amx", [False, pytest.param(True, marks=needs_amx)], ids=["portable", "amx"])
-@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 128), (2, 1, 64)])
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (1, 8, 128), (2, 1, 64), (1, 2, 256)])
 def test_bf16_kernels_stay_within_bf16_rounding(use_amx, num_kv_heads, group, head_dim):
     batch = make_batch(CHUNKS, num_kv_heads, group, head_dim, 16, dtype=torch.bfloat16, seed=2)
     out = _run(batch, use_amx=use_amx)
