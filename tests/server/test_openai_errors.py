@@ -101,7 +101,7 @@ def test_triton_down_reports_unhealthy_and_503(client):
 
 @pytest.mark.parametrize("method, path", [
     ("POST", "/v1/audio/speech"),  # /v1/responses is served now (issue 33)
-    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/images/generations"),  # /v1/embeddings is served now (issue 32)
     ("POST", "/v1/chat/completion"),
     ("GET", "/v1/nothing/here"),
 ])
