@@ -4,6 +4,7 @@ refusal of an image named by that image's field."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import pytest
@@ -11,7 +12,13 @@ import pytest
 from pagedserve.backend.core.errors import InvalidRequestError, to_wire
 from pagedserve.client.openai.anthropic_protocol import anthropic_error, chat_body
 from pagedserve.client.openai.errors import APIError
-from pagedserve.client.openai.image_parts import anthropic_image_fields, llm_error, responses_image_fields
+from pagedserve.client.openai.image_parts import (
+    anthropic_image_fields,
+    chat_error,
+    llm_error,
+    responses_image_fields,
+)
+from pagedserve.client.openai.media import MediaSettings, resolve_images
 from pagedserve.client.openai.protocol import parse_chat_request
 from pagedserve.client.openai.responses_input import read_responses_request
 from pagedserve.client.triton_client import TritonRequestError
@@ -46,7 +53,7 @@ def test_input_image_parts_become_chat_image_parts_in_order():
 
 
 @pytest.mark.parametrize(("part", "param"), [
-    ({"type": "input_image", "image_url": "http://127.0.0.1/cat.png"}, "input[0].content[1].image_url"),
+    ({"type": "input_image", "image_url": "ftp://127.0.0.1/cat.png"}, "input[0].content[1].image_url"),
     ({"type": "input_image", "image_url": "data:image/png;base64,***"}, "input[0].content[1].image_url"),
     ({"type": "input_image", "image_url": f"data:text/plain;base64,{PNG}"}, "input[0].content[1].image_url"),
     ({"type": "input_image"}, "input[0].content[1].image_url"),
@@ -69,7 +76,8 @@ def test_image_blocks_become_chat_image_parts_in_order():
 
 
 @pytest.mark.parametrize(("block", "param"), [
-    ({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}, "source.type"),
+    ({"type": "image", "source": {"type": "url", "url": "ftp://example.com/cat.png"}}, "source.url"),
+    ({"type": "image", "source": {"type": "url"}}, "source.url"),
     ({"type": "image", "source": {"type": "file", "file_id": "file_1"}}, "source.type"),
     ({"type": "image"}, "source"),
     (_image_block(media_type="image/tiff"), "source.media_type"),
@@ -115,3 +123,21 @@ def test_an_llm_refusal_of_an_image_names_that_images_field():
     assert llm_error(count, {}, fields, "input").param == "input"
     other = TritonRequestError(to_wire(InvalidRequestError("max_tokens must be positive", "max_tokens")))
     assert llm_error(other, {}, fields, "input").param == "max_tokens"
+
+
+def test_http_urls_go_to_the_fetch_and_its_refusal_names_the_part():
+    url = "http://127.0.0.1:9/cat.png"
+    read = read_responses_request(_responses({"type": "input_image", "image_url": url}), [])
+    body = _messages({"type": "image", "source": {"type": "url", "url": url}})
+    for chat, fields, field in [
+        (read.chat_body, responses_image_fields(_responses({"type": "input_image", "image_url": url}), []),
+         "input[0].content[1].image_url"),
+        (chat_body(body), anthropic_image_fields(body), "messages.0.content.1.source.url")]:
+        request = parse_chat_request(chat)
+        assert request.images == [url]
+        with pytest.raises(APIError) as info:  # no --allowed-media-domains: nothing is fetched
+            asyncio.run(resolve_images(request.images, request.image_params, MediaSettings()))
+        named = chat_error(info.value, chat["messages"], fields, field.rsplit(".", 1)[-1])
+        assert named.param == field and "fetches no http" in named.message
+    other = APIError(400, "max_tokens must be positive", "max_tokens")
+    assert chat_error(other, read.chat_body["messages"], ["x"], "image_url") is other

@@ -1,13 +1,16 @@
 """A tiny LLaVA through tritonserver and the shim: the Responses API's input_image parts (official `openai`
 client) and Anthropic image blocks (official `anthropic` client) answer, whole and streamed, the greedy text
-chat completions gives for the same image and prompt; bad images are refused in each API's own shape naming
-the field, and the server serves on."""
+chat completions gives for the same image and prompt, inline or fetched from an allowed loopback URL; bad images
+are refused in each API's own shape naming the field, and the server serves on."""
 
 from __future__ import annotations
 
 import base64
 import io
+import threading
 from collections.abc import Iterator
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import anthropic
@@ -43,8 +46,25 @@ def llava_server(llava_path, tmp_path_factory) -> Iterator[RunningTriton]:
 
 
 @pytest.fixture(scope="module")
+def images_url(tmp_path_factory) -> Iterator[str]:
+    """A loopback http server of image 3 as cat.png."""
+    folder = tmp_path_factory.mktemp("images")
+    (folder / "cat.png").write_bytes(base64.b64decode(_png(3)))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
 def shim_url(llava_server) -> Iterator[str]:
-    with llava_server.openai_shim() as url:
+    with llava_server.openai_shim("--allowed-media-domains", "127.0.0.1") as url:
         yield url
 
 
@@ -125,7 +145,7 @@ def test_messages_image_block_answers_the_chat_text(oai, claude, llava_server):
 @pytest.mark.parametrize(("image_url", "param"), [
     (f"data:image/png;base64,{NOT_AN_IMAGE}", "input[0].content[1].image_url"),  # the llm model's refusal
     ("data:image/png;base64,***", "input[0].content[1].image_url"),
-    ("http://127.0.0.1/cat.png", "input[0].content[1].image_url"),
+    ("http://10.0.0.1/cat.png", "input[0].content[1].image_url"),  # a host not allowed
 ])
 def test_responses_bad_images_are_refused_naming_the_field(oai, llava_server, image_url, param):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -139,8 +159,8 @@ def test_responses_bad_images_are_refused_naming_the_field(oai, llava_server, im
 
 @pytest.mark.parametrize(("block", "param", "words"), [
     (_image_block(NOT_AN_IMAGE), "messages.0.content.1.source.data", "not a readable image"),
-    ({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}},
-     "messages.0.content.1.source.type", "not fetched"),
+    ({"type": "image", "source": {"type": "url", "url": "http://10.0.0.1/cat.png"}},
+     "messages.0.content.1.source.url", "not in --allowed-media-domains"),
     ({"type": "image", "source": {"type": "file", "file_id": "file_1"}}, "messages.0.content.1.source.type",
      "not a source type"),
     (_image_block(NOT_AN_IMAGE, media_type="image/tiff"), "messages.0.content.1.source.media_type", "one of"),
@@ -153,4 +173,18 @@ def test_messages_bad_images_are_refused_in_anthropics_shape(oai, claude, llava_
     assert error["error"]["message"].startswith(param) and words in error["error"]["message"]
     ok = _claude(claude, oai, _image_block(_png(0)))
     assert ok.content[0].text
+    llava_server.wait_idle()
+
+
+def test_an_allowed_loopback_url_answers_as_the_same_image_inline(oai, claude, llava_server, images_url):
+    chat = _chat_text(oai, _png(3))
+    fetched = oai.responses.create(model=_model(oai), input=_responses_input(f"{images_url}/cat.png"),
+                                   max_output_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+    assert fetched.output_text == chat
+    block = {"type": "image", "source": {"type": "url", "url": f"{images_url}/cat.png"}}
+    assert _claude(claude, oai, block).content[0].text == chat
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.responses.create(model=_model(oai), input=_responses_input(f"{images_url}/missing.png"),
+                             max_output_tokens=2)
+    assert refused.value.body["param"] == "input[0].content[1].image_url" and "404" in refused.value.body["message"]
     llava_server.wait_idle()

@@ -1,7 +1,8 @@
 """Images in the Responses API (`input_image` parts) and Anthropic's Messages (`image` blocks), read into the chat
 path's `image_url` parts (images.py renders them and sends the llm model its `image` input), and the llm model's
-refusal of an image named as the request names that image. Only inline images are taken here (data URLs, base64
-sources): a remote URL is refused naming its field, as the shim has no fetch for these two APIs yet."""
+refusal of an image named as the request names that image. http(s) URLs (an input_image's image_url, a `url`
+source) go on as the chat's image_url parts do: fetched by media.py from the hosts --allowed-media-domains lists,
+its refusals renamed here to the part's field."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import re
 
 from pagedserve.backend.core.errors import ErrorKind, from_wire
 from pagedserve.client.openai.errors import APIError, bad_request, triton_api_error
+from pagedserve.client.openai.images import message_images
+from pagedserve.client.openai.media import is_http_url
 
 DETAILS = ("auto", "low", "high")  # taken and not acted on: the model's processor decides the resolution
 ANTHROPIC_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's accepted types
@@ -27,13 +30,12 @@ def input_image_part(part: dict, at: str) -> dict:
     if detail is not None and detail not in DETAILS:
         raise bad_request(f"'{at}.detail' must be one of {list(DETAILS)}", f"{at}.detail")
     if not isinstance(url, str):
-        raise bad_request(f"'{at}.image_url' must be a data:image/...;base64, URL string", f"{at}.image_url")
-    if url[:8].lower().startswith(("http://", "https://")):
-        raise bad_request(f"'{at}.image_url': the Responses API takes no http(s) image URLs in pagedserve; send "
-                          "a data:image/...;base64, URL", f"{at}.image_url")
+        raise bad_request(f"'{at}.image_url' must be a URL string", f"{at}.image_url")
+    if is_http_url(url):
+        return {"type": "image_url", "image_url": {"url": url}}  # fetched (or refused) by media.resolve_images
     header, _, payload = url.partition(",")
     if not (header.startswith("data:image/") and header.endswith(";base64")) or not payload:
-        raise bad_request(f"'{at}.image_url' must be a data:image/...;base64, URL", f"{at}.image_url")
+        raise bad_request(f"'{at}.image_url' must be a data:image/...;base64, or an http(s) URL", f"{at}.image_url")
     _check_base64(payload, f"{at}.image_url", f"'{at}.image_url' holds data that")
     return {"type": "image_url", "image_url": {"url": url}}
 
@@ -44,9 +46,14 @@ def anthropic_image_part(block: dict, at: str) -> dict:
     if not isinstance(source, dict):
         raise bad_request(f"{at}.source: an image block needs a source object", f"{at}.source")
     kind = source.get("type")
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not is_http_url(url):
+            raise bad_request(f"{at}.source.url: must be an http(s) URL", f"{at}.source.url")
+        return {"type": "image_url", "image_url": {"url": url}}  # fetched (or refused) by media.resolve_images
     if kind != "base64":
-        why = "image URLs are not fetched by pagedserve" if kind == "url" else f"{kind!r} is not a source type"
-        raise bad_request(f"{at}.source.type: {why}; send {{type: base64, media_type, data}}", f"{at}.source.type")
+        raise bad_request(f"{at}.source.type: {kind!r} is not a source type pagedserve takes (base64, url)",
+                          f"{at}.source.type")
     media_type, data = source.get("media_type"), source.get("data")
     if media_type not in ANTHROPIC_MEDIA_TYPES:
         raise bad_request(f"{at}.source.media_type: must be one of {list(ANTHROPIC_MEDIA_TYPES)}",
@@ -71,14 +78,26 @@ def responses_image_fields(body: dict, previous: list[dict]) -> list[str]:
 
 
 def anthropic_image_fields(body: dict) -> list[str]:
-    """The field of each image block's data in a Messages request, in the order the engine gets them."""
+    """The field of each image block's data (or url) in a Messages request, in the order the engine gets them."""
     fields = []
     for i, message in enumerate(body.get("messages") or []):
         content = message.get("content") if isinstance(message, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else []):
             if isinstance(block, dict) and block.get("type") == "image":
-                fields.append(f"messages.{i}.content.{j}.source.data")
+                source = block.get("source")
+                url = isinstance(source, dict) and source.get("type") == "url"
+                fields.append(f"messages.{i}.content.{j}.source.{'url' if url else 'data'}")
     return fields
+
+
+def chat_error(error: APIError, chat_messages: list[dict], fields: list[str], words: str) -> APIError:
+    """A chat refusal of an image_url part (media.py's fetch) named by that image's field in this API, `words`
+    the API's name for the URL in the message."""
+    _, params = message_images(chat_messages)
+    if error.param not in params:
+        return error
+    return APIError(error.status, error.message.replace("image_url.url", words),
+                    fields[params.index(error.param)], error.code)
 
 
 def llm_error(error: Exception, renames: dict[str, str], fields: list[str], whole: str) -> APIError:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.client.openai.anthropic_protocol import anthropic_error, chat_body
 from pagedserve.client.openai.errors import TRITON_ERRORS, APIError
-from pagedserve.client.openai.image_parts import anthropic_image_fields, llm_error
+from pagedserve.client.openai.image_parts import anthropic_image_fields, chat_error, llm_error
 from pagedserve.client.openai.serving_chat import ChatGeneration
 from pagedserve.client.openai.shim import OpenAIShim
 from pagedserve.client.openai.streams import ClientGone, merge_streams, unless_disconnected
@@ -29,7 +29,7 @@ def add_messages_routes(app: FastAPI, shim: OpenAIShim, read_json: Callable[...,
         try:
             _authorize(request, shim.settings.api_key)
             body = await read_json(request, shim.settings.max_body_bytes)
-            generation = await ChatGeneration.create(shim, chat_body(body))
+            generation = await _create(shim, body, chat_body(body))
             run = MessagesRun(generation, body)
             return await (run.stream() if generation.request.stream else run.whole(request))
         except APIError as error:
@@ -39,7 +39,7 @@ def add_messages_routes(app: FastAPI, shim: OpenAIShim, read_json: Callable[...,
         try:
             _authorize(request, shim.settings.api_key)
             body = await read_json(request, shim.settings.max_body_bytes)
-            generation = await ChatGeneration.create(shim, chat_body(body, counting=True))
+            generation = await _create(shim, body, chat_body(body, counting=True))
             (prompt,) = generation.request.prompts
             tokens = (await shim.tokenizer()).encode(prompt, add_special_tokens=False).ids
             return JSONResponse({"input_tokens": len(tokens)})
@@ -48,6 +48,14 @@ def add_messages_routes(app: FastAPI, shim: OpenAIShim, read_json: Callable[...,
 
     app.add_api_route("/v1/messages", messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
+
+
+async def _create(shim: OpenAIShim, body: dict, chat: dict) -> ChatGeneration:
+    """The chat generation of a Messages request; an image's fetch refused names its url source."""
+    try:
+        return await ChatGeneration.create(shim, chat)
+    except APIError as error:
+        raise chat_error(error, chat["messages"], anthropic_image_fields(body), "source.url") from error
 
 
 def _error_response(error: APIError) -> JSONResponse:

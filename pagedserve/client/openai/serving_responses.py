@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, bad_request
-from pagedserve.client.openai.image_parts import llm_error, responses_image_fields
+from pagedserve.client.openai.image_parts import chat_error, llm_error, responses_image_fields
 from pagedserve.client.openai.responses_input import ResponsesInput, read_responses_request
 from pagedserve.client.openai.responses_output import EventWriter, history_messages, new_id, output_items
 from pagedserve.client.openai.responses_store import ResponseStore, StoredResponse
@@ -83,12 +83,13 @@ class ResponseRun:
                 raise bad_request("'previous_response_id' must be a string", "previous_response_id")
             previous = store.get(previous_id, "previous_response_id").history
         read = read_responses_request(body, previous)
+        image_fields = responses_image_fields(body, previous)
         try:
             generation = await ChatGeneration.create(shim, {**read.chat_body, "stream": read.stream})
-        except APIError as error:
-            raise _renamed(error) from error
+        except APIError as error:  # an image's fetch refused names its input_image part
+            raise _renamed(chat_error(error, read.chat_body["messages"], image_fields, "image_url")) from error
         run = cls(store, read, body, generation)
-        run.image_fields = responses_image_fields(body, previous)
+        run.image_fields = image_fields
         if read.store:
             run.entry = store.put(run.body("in_progress", []), read.history)
         if read.stream:
