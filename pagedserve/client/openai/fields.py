@@ -45,6 +45,7 @@ ENGINE_FIELD_TO_PARAM = {
     "text_input": "prompt", "prompt": "prompt", "prompt_token_ids": "prompt", "input_ids": "prompt",
     "max_tokens": "max_tokens", "stop": "stop", "logprobs": "logprobs",
     "task": "model",  # the served model does not do what the endpoint asks (generation of an embedding model)
+    "images": "messages", "image": "messages",  # the image_url parts of chat's messages (the only images)
     "structured_outputs": "structured_outputs", **{name: name for name in STRUCTURED_FIELDS},
     **{name: name for name in SAMPLING_FIELDS},
 }
