@@ -144,3 +144,55 @@ def test_cli_generate_and_chat_send_their_image_files(llava_server, llava_path, 
     second = greedy(template.render(messages), encoded, add_special_tokens=False)
     assert done.stdout == f"{first}\n{second}\n"
     llava_server.wait_idle()
+
+
+def test_openai_image_url_fetched_from_an_allowed_loopback_host_as_its_data_url(llava_server):
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import openai
+
+    image = _png(4)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/slow.png":
+                time.sleep(2.5)
+            body = image + b"\0" * 64 if self.path == "/big.png" else image
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the shim hung up past its limit
+                pass
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    files = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    files.daemon_threads = True
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    try:
+        with llava_server.openai_shim("--allowed-media-domains", "127.0.0.1", "--media-max-bytes", str(len(image)),
+                                      "--media-fetch-timeout", "1") as base_url:
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
+            model = client.models.list().data[0].id
+
+            def ask(url: str) -> str:
+                content = [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": url}}]
+                reply = client.chat.completions.create(model=model, max_tokens=8, temperature=0.0,
+                                                       messages=[{"role": "user", "content": content}])
+                return reply.choices[0].message.content
+
+            assert ask(f"{base}/cat.png") == ask("data:image/png;base64," + base64.b64encode(image).decode())
+            for path, words in (("/big.png", "over"), ("/slow.png", "within 1 s")):
+                with pytest.raises(openai.BadRequestError, match=words) as refused:
+                    ask(f"{base}{path}")
+                assert refused.value.body["param"] == "messages[0].content[1].image_url.url"
+    finally:
+        files.shutdown()
+        files.server_close()
+    llava_server.wait_idle()
