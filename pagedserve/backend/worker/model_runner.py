@@ -113,11 +113,13 @@ class ModelRunner:
         else:
             self.model = tp.load_model(model_config.model, self.dtype, max_position)
             self.arch = self.model.config  # this rank's heads: its KV cache holds only theirs
-        if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES:
-            logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
-        self.pooler = StepPooler.for_model(self.model, model_config.model)
         # An encoder keeps no K/V: its blocks are the scheduler's bookkeeping, its cache tensors empty.
         self.keeps_kv = getattr(self.model, "uses_kv_cache", True)
+        # An encoder's linears stay torch's: oneDNN's prepacked weights were no faster on its many-row GEMMs at
+        # bge-small's shapes and several times slower at small ones.
+        if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES and self.keeps_kv:
+            logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
+        self.pooler = StepPooler.for_model(self.model, model_config.model)
         self.takes_token_types = getattr(self.arch, "type_vocab_size", 0) > 1
         self.lora: LoRAManager | None = None
         if lora_config is not None and lora_config.enable_lora:
