@@ -130,3 +130,19 @@ def test_bad_limit_mm_per_prompt_is_a_usage_error(value, capsys):
         add_media_arguments(argparse_parser)
         argparse_parser.parse_args(["--limit-mm-per-prompt", value])
     assert "--limit-mm-per-prompt" in capsys.readouterr().err
+
+
+def test_pagedserve_serve_takes_the_media_flags_and_starts_its_shim_with_them():
+    from pagedserve.client import launcher
+    from pagedserve.client.openai.main import add_arguments as shim_arguments
+
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    args = parser.parse_args(["--allowed-media-domains", "images.example.com", "--limit-mm-per-prompt",
+                              '{"image": 1}'])
+    flags = launcher._tool_flags(args)
+    assert flags == ["--allowed-media-domains", "images.example.com", "--limit-mm-per-prompt", '{"image": 1}']
+    shim = argparse.ArgumentParser()
+    shim_arguments(shim)
+    shim_args = shim.parse_args(flags)
+    assert shim_args.allowed_media_domains == ["images.example.com"] and image_limit(shim_args) == 1
