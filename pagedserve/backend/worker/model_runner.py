@@ -113,14 +113,12 @@ class ModelRunner:
         else:
             self.model = tp.load_model(model_config.model, self.dtype, max_position)
             self.arch = self.model.config  # this rank's heads: its KV cache holds only theirs
-        # An encoder keeps no K/V: its blocks are the scheduler's bookkeeping, its cache tensors empty.
+        # An encoder keeps no K/V (its blocks are bookkeeping, its caches empty) and torch's linears: oneDNN's
+        # prepacked weights were no faster on its GEMMs at bge-small's shapes, several times slower at small ones.
         self.keeps_kv = getattr(self.model, "uses_kv_cache", True)
-        # An encoder's linears stay torch's: oneDNN's prepacked weights were no faster on its many-row GEMMs at
-        # bge-small's shapes and several times slower at small ones.
         if self.device.type == "cpu" and self.dtype in _PREPACK_DTYPES and self.keeps_kv:
             logger.info("prepacked %d linear layers for oneDNN", prepack_linears(self.model))
         self.pooler = StepPooler.for_model(self.model, model_config.model)
-        self.takes_token_types = getattr(self.arch, "type_vocab_size", 0) > 1
         self.lora: LoRAManager | None = None
         if lora_config is not None and lora_config.enable_lora:
             # Under tensor parallelism adapters are checked against the whole model, each rank keeping its shard.
@@ -305,7 +303,8 @@ class ModelRunner:
 
     def _token_types(self, scheduled: list[ScheduledRequest], num_tokens: int) -> torch.Tensor | None:
         """The step's token type ids, for a model that has token types and a text pair in the step."""
-        types = token_type_ids(scheduled, num_tokens) if self.takes_token_types else None
+        takes_types = getattr(self.arch, "type_vocab_size", 0) > 1
+        types = token_type_ids(scheduled, num_tokens) if takes_types else None
         return None if types is None else types.to(self.device, non_blocking=True)
 
 
