@@ -11,7 +11,8 @@ decode output tokens/s at concurrency 1, 8 and 32, and the mean |delta logprob| 
 `--llama-cpp` adds llama.cpp on the same file and workload (bench/llamacpp_peer.py, built once into the cache):
 its Python binding for one stream (`--peer-one-stream server`: its `llama-server --parallel 1` instead), its own
 `llama-server --parallel N` for N streams. `--gguf Q4_K_M` (or Q6_K, ...) benchmarks a file llama.cpp's
-`llama-quantize --allow-requantize` made from the default model's Q4_1 file, on both sides.
+`llama-quantize --allow-requantize` made from the default model's Q4_1 file, on both sides. Where llama-server
+dies with SIGILL at load (its weight repacking on a VM without AMX permission), run with LLAMA_ARG_REPACK=false.
 """
 
 from __future__ import annotations
