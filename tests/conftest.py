@@ -3,9 +3,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+# Before anything imports triton: its own library (tl.max, tl.sum, ...) is jit'd at `import triton`, so a
+# test module that pulls it in early (transformers via sentence-transformers) left those helpers compiled for
+# a GPU and every interpreted kernel test after it in that worker failed (tests/kernels/conftest.py's switch
+# came too late).
+os.environ["TRITON_INTERPRET"] = "1"
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 from pagedserve.testing import make_tiny_model
 from tests.support.oracle import HFReference
