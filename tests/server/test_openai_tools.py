@@ -11,6 +11,7 @@ import json
 import jsonschema
 import pytest
 
+from pagedserve.client import launcher
 from pagedserve.client.launcher import _tool_flags
 from pagedserve.client.openai.chat_template import ChatTemplate
 from pagedserve.client.openai.errors import APIError
@@ -195,8 +196,10 @@ def test_flags_as_vllm_takes_them_and_serve_passes_them_on():
         tool_settings(parser.parse_args(["--enable-auto-tool-choice"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--tool-call-parser", "nope"])
-    serve = argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser="mistral",
-                               exclude_tools_when_tool_choice_none=True)
+    serve_parser = argparse.ArgumentParser()
+    launcher.add_arguments(serve_parser)  # serve's own flags, whatever else they grow
+    serve = serve_parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "mistral",
+                                     "--exclude-tools-when-tool-choice-none"])
     assert _tool_flags(serve) == ["--enable-auto-tool-choice", "--tool-call-parser", "mistral",
                                   "--exclude-tools-when-tool-choice-none"]
 

@@ -88,8 +88,9 @@ class OutputProcessor:
         if params.beam_width > 1:
             group = BeamGroup(request_id, prompt, request, params, self.eos_token_ids, self._decode)
         else:
-            new_matcher = self.structured.sequence_matchers(grammar, params.reasoning_end_token_ids,
-                                                            params.thinking_token_budget)
+            # An engine without a tokenizer has no structured outputs (nor requests that need them).
+            new_matcher = None if self.structured is None else self.structured.sequence_matchers(
+                grammar, params.reasoning_end_token_ids, params.thinking_token_budget)
             group = SamplingGroup(request_id, prompt, request, self.tokenizer, self._unused_id, new_matcher)
         self._groups[request_id] = self._owner[request_id] = group
         if timeout is not None:

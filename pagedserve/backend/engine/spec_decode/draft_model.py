@@ -29,6 +29,7 @@ class _DraftView:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     all_token_ids: list[int]
+    pooling_params: None = None  # a draft step samples every row it is given, never pools one
 
 
 class DraftModelSpeculator(NgramSpeculator):
