@@ -18,7 +18,6 @@ import os
 import platform
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedserve.client import fleet
+from pagedserve.client.launcher import _stop_process_group as stop  # TERM, then KILL, the process group
 from pagedserve.client.launcher import fetch_metrics, free_loopback_ports, wait_for_http_ok
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,18 +123,6 @@ def start_router(policy: str, workers: list[str], events: list[tuple[str, str]] 
     url = f"http://127.0.0.1:{port}"
     wait_for_http_ok(f"{url}/health", proc, 300)
     return proc, url
-
-
-def stop(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=60)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def start_pagedserve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, list[str], list[str], list]:
