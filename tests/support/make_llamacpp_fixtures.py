@@ -15,6 +15,7 @@ bench/llamacpp_peer.quantize_binary. Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -42,10 +43,15 @@ def make_hf_model(path: Path) -> Path:
 
 
 def _peer() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "bench"))
-    import llamacpp_peer
-
-    return llamacpp_peer
+    """bench/llamacpp_peer.py loaded from its file: bench/ never goes on sys.path, where its kernels.py would
+    shadow Hugging Face's `kernels` package that transformers imports."""
+    module = sys.modules.get("llamacpp_peer")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("llamacpp_peer", ROOT / "bench" / "llamacpp_peer.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["llamacpp_peer"] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 def built_llama_quantize() -> Path | None:
