@@ -65,7 +65,7 @@ for spec in correctness:170 decode:80 prefill:80 engine:110 tp:150; do
         env -u TRITON_INTERPRET PAGEDSERVE_KERNELS=auto timeout --kill-after=10 "$limit" "$PY" "$REPO/bench/tp_gpu.py" \
             "${DRY[@]}" --out "$OUT/$part" 2>&1 | tee "$OUT/$part.log"
     else
-        timeout --kill-after=10 "$limit" "$PY" "$REPO/bench/kernels.py" gpu-check "${DRY[@]}" \
+        timeout --kill-after=10 "$limit" "$PY" "$REPO/bench/kernel_bench.py" gpu-check "${DRY[@]}" \
             --out "$OUT/$part" --parts "$part" 2>&1 | tee "$OUT/$part.log"
     fi
     rc=${PIPESTATUS[0]}

@@ -1,4 +1,4 @@
-"""What bench/kernels.py and bench/kernels_gpu.py share: a log, a timer and paged-attention batches."""
+"""What bench/kernel_bench.py and bench/kernels_gpu.py share: a log, a timer and paged-attention batches."""
 
 from __future__ import annotations
 

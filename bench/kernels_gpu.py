@@ -1,4 +1,4 @@
-"""The GPU check behind `python bench/kernels.py gpu-check` (bench/gpu_check.sh runs it on a GPU machine).
+"""The GPU check behind `python bench/kernel_bench.py gpu-check` (bench/gpu_check.sh runs it on a GPU machine).
 
 Kernel correctness at real sizes, decode bandwidth, prefill TFLOP/s against SDPA, engine tokens/s; with
 `--dry-run`, tiny sizes on the CPU under TRITON_INTERPRET=1, to prove the wiring.

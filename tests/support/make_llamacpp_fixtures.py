@@ -43,7 +43,7 @@ def make_hf_model(path: Path) -> Path:
 
 
 def _peer() -> ModuleType:
-    """bench/llamacpp_peer.py loaded from its file: bench/ never goes on sys.path, where its kernels.py would
+    """bench/llamacpp_peer.py loaded from its file: bench/ never goes on sys.path, where a module named like a package (HF kernels) would
     shadow Hugging Face's `kernels` package that transformers imports."""
     module = sys.modules.get("llamacpp_peer")
     if module is None:

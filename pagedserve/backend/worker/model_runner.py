@@ -99,7 +99,7 @@ class ModelRunner:
         if (self.device.type == "cpu" and model_config.dtype == "auto" and self.dtype != torch.float32
                 and not can_prepack(self.dtype)):
             # Without AVX-512 (or AVX-NE-CONVERT) oneDNN has no fast half-precision GEMM: fp32 is faster
-            # (`python bench/kernels.py linear`).
+            # (`python bench/kernel_bench.py linear`).
             logger.warning("this CPU has no fast %s matmul; dtype 'auto' runs the %s checkpoint in float32 "
                            "(set dtype to keep %s)", self.dtype, self.dtype, self.dtype)
             self.dtype = torch.float32

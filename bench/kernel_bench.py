@@ -1,15 +1,15 @@
 """Kernel benchmarks.
 
-`python bench/kernels.py cpu` times the engine's CPU attention (native in-place decode kernel, unpadded
+`python bench/kernel_bench.py cpu` times the engine's CPU attention (native in-place decode kernel, unpadded
 prefill), the batched torch reference and a per-sequence loop (one gather and one SDPA per sequence),
 per layer, and writes bench/results/kernels_cpu.json.
-`python bench/kernels.py linear` times the CPU linear layers of SmolLM2's shapes in fp32 and bf16, prepacked
+`python bench/kernel_bench.py linear` times the CPU linear layers of SmolLM2's shapes in fp32 and bf16, prepacked
 for oneDNN where this CPU runs that dtype and plain F.linear otherwise, and writes
 bench/results/linear_cpu.json: what `dtype auto` on the CPU decides from.
-`python bench/kernels.py gpu-check --out DIR` is what bench/gpu_check.sh runs on a GPU machine: kernel
+`python bench/kernel_bench.py gpu-check --out DIR` is what bench/gpu_check.sh runs on a GPU machine: kernel
 correctness at real sizes, decode bandwidth, prefill TFLOP/s against SDPA, engine tokens/s
 (bench/kernels_gpu.py). `--dry-run` runs it at tiny sizes on the CPU (TRITON_INTERPRET=1) to prove the wiring.
-`python bench/kernels.py aot` compiles every Triton kernel configuration for sm_90 without a GPU and
+`python bench/kernel_bench.py aot` compiles every Triton kernel configuration for sm_90 without a GPU and
 reports registers and spills (bench/results/kernels_aot_sm90.json).
 """
 
