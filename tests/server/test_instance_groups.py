@@ -31,7 +31,7 @@ from pagedserve.client.launcher import (
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 
 INSTANCES = 2
-NUM_BLOCKS = 512
+NUM_BLOCKS = 1024  # each instance holds all NUM_LONG long requests: none is preempted while they are counted
 PARAMS = {**CPU_FP32, "num_blocks": str(NUM_BLOCKS), "max_model_len": "1024", "max_num_seqs": "16"}
 NUM_STREAMS = 16
 # Greedy and seeded sampling: both must come out of either engine, batched or alone, token for token.
