@@ -6,6 +6,7 @@ from types import ModuleType
 
 import torch
 
+from pagedserve.kernels import kv8
 from pagedserve.kernels.attention import cpu, reference
 from pagedserve.kernels.dispatch import Implementations
 
@@ -32,22 +33,26 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention over the paged cache; query i of sequence s sits at seq_lens[s] - q_len_s + i.
 
     sliding_window: that query sees only keys at positions p with pos - sliding_window < p <= pos
     (transformers' sliding-window mask). logits_soft_cap: scores become cap * tanh(score / cap) (Gemma 2).
+    k_scale, v_scale: an fp8 cache holds K / k_scale and V / v_scale (kernels.kv8); ignored otherwise.
     """
+    module, fp8 = kv8.route(_IMPLEMENTATIONS.select(query), reference, key_cache, k_scale, v_scale)
     if sliding_window is None and logits_soft_cap is None:
-        return _IMPLEMENTATIONS.select(query).paged_attention(
+        return module.paged_attention(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
-            out,
+            out, **fp8,
         )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1; got {sliding_window}")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be positive; got {logits_soft_cap}")
-    return _IMPLEMENTATIONS.select(query).paged_attention(
+    return module.paged_attention(
         query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q, max_seqlen_k,
-        out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, **fp8,
     )

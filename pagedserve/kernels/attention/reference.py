@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import kv8
+
+SUPPORTS_FP8_KV = True  # the oracle reads an fp8 cache by kv8.dequantize after each gather
 _local = threading.local()
 # SDPA's enable_gqa (torch >= 2.5) lets a whole fresh prompt use the causal kernel without expanding K/V.
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -52,20 +55,38 @@ def _gather_kv(
 ) -> torch.Tensor:  # -> [S, Hkv, L, D], valid until the next gather into the same slot
     """One index_select of every sequence's context, already in SDPA's heads-before-positions layout."""
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    out = _workspace(slot, rows.numel() * head_dim, cache.dtype, cache.device).view(-1, head_dim)
-    torch.index_select(cache.view(-1, head_dim), 0, rows, out=out)
-    return out.view(num_seqs, num_kv_heads, -1, head_dim)
+    stored = cache.view(torch.uint8) if kv8.is_fp8(cache) else cache  # fp8 gathered as bytes, on every device
+    out = _workspace(slot, rows.numel() * head_dim, stored.dtype, cache.device).view(-1, head_dim)
+    torch.index_select(stored.view(-1, head_dim), 0, rows, out=out)
+    return out.view(cache.dtype).view(num_seqs, num_kv_heads, -1, head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class KVRead:
+    """How gathered K/V become attention operands: the query's dtype, and an fp8 cache's per-tensor scales
+    (stored * scale, in fp32, first: the contract's read rule)."""
+
+    dtype: torch.dtype
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def convert(self, gathered: torch.Tensor, scale: float) -> torch.Tensor:
+        if kv8.is_fp8(gathered):
+            return kv8.dequantize(gathered, scale).to(self.dtype)
+        return gathered.to(self.dtype)
 
 
 def _gather_kv_pair(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:  # -> K, V: [S, Hkv, L, D]
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, max_seqlen_k: int,
+    read: KVRead,
+) -> tuple[torch.Tensor, torch.Tensor]:  # -> K, V: [S, Hkv, L, D] in read.dtype
     """Gather K and V of the first ceil(max_seqlen_k / block_size) blocks of every sequence."""
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_blocks = min(-(-max_seqlen_k // block_size), block_tables.shape[1])
     rows = _kv_rows(block_tables, num_blocks, block_size, num_kv_heads)
     num_seqs = block_tables.shape[0]
-    return (_gather_kv(key_cache, rows, num_seqs, "key"), _gather_kv(value_cache, rows, num_seqs, "value"))
+    k = read.convert(_gather_kv(key_cache, rows, num_seqs, "key"), read.k_scale)
+    return k, read.convert(_gather_kv(value_cache, rows, num_seqs, "value"), read.v_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +126,13 @@ def _decode_attention(
     scale: float,
     max_seqlen_k: int,
     mods: ScoreMods = NO_MODS,
+    read: KVRead | None = None,
 ) -> torch.Tensor:  # -> [S, Hq, D]
     """One query per sequence: no padding and no causal structure beyond the length (and window) mask."""
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    k, v = _gather_kv_pair(key_cache, value_cache, block_tables, max_seqlen_k)  # [S, Hkv, Lk, D]
-    k, v = k.to(query.dtype), v.to(query.dtype)
+    k, v = _gather_kv_pair(key_cache, value_cache, block_tables, max_seqlen_k,
+                           read or KVRead(query.dtype))  # [S, Hkv, Lk, D]
     q = query.view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     key_pos = torch.arange(k.shape[2], device=query.device)
     mask = mods.visible(key_pos[None, :], seq_lens[:, None] - 1)[:, None, None, :]  # [S, 1, 1, Lk]
@@ -124,11 +146,12 @@ def _fresh_prompt_attention(
     value_cache: torch.Tensor,
     block_table: torch.Tensor,  # [1, max_blocks]
     scale: float,
+    read: KVRead | None = None,
 ) -> torch.Tensor:  # -> [L, Hq, D]
     """Plain causal attention: SDPA's causal kernel needs no mask when queries and keys both start at 0."""
     length = query.shape[0]
-    k, v = _gather_kv_pair(key_cache, value_cache, block_table, length)  # [1, Hkv, >= L, D]
-    k, v = k[:, :, :length].to(query.dtype), v[:, :, :length].to(query.dtype)
+    k, v = _gather_kv_pair(key_cache, value_cache, block_table, length, read or KVRead(query.dtype))
+    k, v = k[:, :, :length], v[:, :, :length]  # [1, Hkv, L, D]
     q = query.transpose(0, 1)[None]  # [1, Hq, L, D]
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
@@ -145,14 +168,15 @@ def _chunk_attention(
     max_seqlen_q: int,
     max_seqlen_k: int,
     mods: ScoreMods = NO_MODS,
+    read: KVRead | None = None,
 ) -> torch.Tensor:  # -> [T, Hq, D]
     """Causal attention of query chunks padded to max_seqlen_q, over their gathered context."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.numel()
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    k, v = _gather_kv_pair(key_cache, value_cache, block_tables, max_seqlen_k)  # [S, Hkv, Lk, D]
-    k, v = k.to(query.dtype), v.to(query.dtype)
+    k, v = _gather_kv_pair(key_cache, value_cache, block_tables, max_seqlen_k,
+                           read or KVRead(query.dtype))  # [S, Hkv, Lk, D]
     seq_idx, pos_in_chunk = _token_coordinates(cu_seqlens_q, num_tokens)
     q_pad = query.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim)
     q_pad[seq_idx, pos_in_chunk] = query
@@ -187,6 +211,7 @@ def _mixed_attention(
     q_lens: torch.Tensor,  # [S] int64
     is_decode: torch.Tensor,  # [S] bool, q_lens == 1
     mods: ScoreMods = NO_MODS,
+    read: KVRead | None = None,
 ) -> torch.Tensor:  # -> [T, Hq, D]
     """Decodes and prefill chunks in two batches (one K/V gather each): decodes are not padded to a chunk."""
     num_tokens = query.shape[0]
@@ -195,14 +220,14 @@ def _mixed_attention(
     dec_tokens = cu_seqlens_q[dec]
     result[dec_tokens] = _decode_attention(
         query[dec_tokens], key_cache, value_cache, block_tables[dec], seq_lens[dec], scale,
-        int(seq_lens[dec].max()), mods,
+        int(seq_lens[dec].max()), mods, read,
     )
     pre = (~is_decode).nonzero().squeeze(1)
     pre_token_mask = ~is_decode.repeat_interleave(q_lens, output_size=num_tokens)
     pre_cu = torch.nn.functional.pad(q_lens[pre].cumsum(0), (1, 0))
     result[pre_token_mask] = _chunk_attention(
         query[pre_token_mask], key_cache, value_cache, block_tables[pre], pre_cu, seq_lens[pre],
-        scale, max_seqlen_q, int(seq_lens[pre].max()), mods,
+        scale, max_seqlen_q, int(seq_lens[pre].max()), mods, read,
     )
     return result
 
@@ -210,27 +235,30 @@ def _mixed_attention(
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-    """kernels.attention.paged_attention batched over all sequences in torch (layouts there)."""
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """kernels.attention.paged_attention batched over all sequences in torch (layouts there); an fp8 cache is
+    dequantized (stored * k_scale / v_scale) after each gather."""
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     seq_lens = seq_lens.long()
     cu_seqlens_q = cu_seqlens_q.long()
     mods = ScoreMods(sliding_window, logits_soft_cap)
+    read = KVRead(query.dtype, k_scale, v_scale)
     if max_seqlen_q == 1 and num_tokens == num_seqs:
         result = _decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seqlen_k,
-                                   mods)
+                                   mods, read)
     else:
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         is_decode = q_lens == 1
         num_decodes = int(is_decode.sum())
         if num_seqs == 1 and int(seq_lens[0]) == num_tokens and _SDPA_HAS_GQA and mods == NO_MODS:
-            result = _fresh_prompt_attention(query, key_cache, value_cache, block_tables, scale)
+            result = _fresh_prompt_attention(query, key_cache, value_cache, block_tables, scale, read)
         elif num_decodes in (0, num_seqs):
             result = _chunk_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                      scale, max_seqlen_q, max_seqlen_k, mods)
+                                      scale, max_seqlen_q, max_seqlen_k, mods, read)
         else:
             result = _mixed_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                      max_seqlen_q, q_lens, is_decode, mods)
+                                      max_seqlen_q, q_lens, is_decode, mods, read)
     if out is None:
         return result
     out.copy_(result)
