@@ -45,6 +45,11 @@ def _arrivals(stream: GrpcStream, count: int | None = None) -> list[float]:
     return times
 
 
+def after_join(times: list[float], first_token: float) -> int:
+    """How many of `times` came before `first_token`."""
+    return sum(1 for arrived in times if arrived < first_token)
+
+
 def test_a_closed_loop_clients_next_request_joins_the_step_after_its_previous_one_ended(llm_server):
     long = _start(llm_server, "A long story:", 1000)
     try:
@@ -56,7 +61,11 @@ def test_a_closed_loop_clients_next_request_joins_the_step_after_its_previous_on
         following = _start(llm_server, "Hello again", 1000)
         try:
             first_token = _arrivals(following, 1)[0]
-            times = _arrivals(long, 60)
+            # Everything the long stream sent up to a little past the join: its tokens arrive faster than this
+            # thread reads them, so a fixed count could end before the pause.
+            times = []
+            while not times or times[-1] < first_token or len(times) < after_join(times, first_token) + 20:
+                times.extend(_arrivals(long, 1))
         finally:
             following.close(cancel=True)
     finally:

@@ -28,6 +28,7 @@ from pagedserve.client.launcher import (
     process_group_members,
     set_instance_group,
 )
+from tests.support.faults import PACE_MARKER, install_fault_model
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 
 INSTANCES = 2
@@ -154,9 +155,10 @@ def test_a_models_metric_is_the_sum_of_its_instances():
 
 @pytest.fixture(scope="module")
 def two_instances(tiny_llama_path, tmp_path_factory) -> Iterator[RunningTriton]:
-    """The llm model alone, two KIND_CPU instances; the module's last test stops it."""
+    """The llm model alone (the fault model: PACE_MARKER slows a request's steps), two KIND_CPU instances; the
+    module's last test stops it."""
     with triton_running(tiny_llama_path, tmp_path_factory.mktemp("instance-groups"), PARAMS, llm_only=True,
-                        instances=INSTANCES) as running:
+                        instances=INSTANCES, adapt_repository=install_fault_model) as running:
         yield running
 
 
@@ -205,11 +207,10 @@ def test_concurrent_streams_spread_over_both_instances_and_each_equals_its_solo_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="since this session's faster decode the eight long streams no longer all run at "
-                   "once on a fresh clone (running total peaks at 6); timing to be reworked, see the closing note")
 def test_each_instance_reports_its_own_running_requests_under_its_label(two_instances):
     running = two_instances
-    streams = [running.open_stream("llm", {"text_input": f"Long story {i}:", "stream": True,
+    # Paced (each of their steps PACE_SECONDS longer): the first streams must still run when the last one starts.
+    streams = [running.open_stream("llm", {"text_input": f"Long story {i} {PACE_MARKER}:", "stream": True,
                                            "sampling_parameters": LONG}) for i in range(NUM_LONG)]
     seen: dict[str, float] = {}
     totals: list[float] = []

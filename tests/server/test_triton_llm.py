@@ -140,25 +140,6 @@ def _wait_for(condition, timeout: float = 60.0) -> bool:
     return condition()
 
 
-def test_stop_stream_with_cancel_ends_the_request_and_frees_its_kv_blocks(triton_server):
-    before = triton_server.metric("vllm:generation_tokens_total")
-    max_tokens = 200
-    with triton_server.open_stream("llm", {
-        "text_input": "Count with me:", "stream": True,
-        "sampling_parameters": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
-    }) as stream:
-        for _ in range(3):
-            assert stream.next(timeout=60).error is None
-        stream.close(cancel=True)
-    assert _wait_for(lambda: triton_server.metric("vllm:num_requests_running") == 0
-                     and triton_server.metric("vllm:kv_cache_usage_perc") == 0.0
-                     and triton_server.metric("vllm:generation_tokens_total") - before >= 3)
-    generated = triton_server.metric("vllm:generation_tokens_total") - before
-    assert 3 <= generated < max_tokens
-    # The server keeps serving after a cancellation.
-    assert triton_server.generate("llm", {"text_input": "Hi", "max_tokens": 2})["text_output"]
-
-
 def test_cancelling_one_of_several_streams_ends_only_that_one(triton_server):
     before = triton_server.metric("vllm:generation_tokens_total")
     max_tokens = 200

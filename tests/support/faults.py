@@ -1,6 +1,8 @@
 """Faults a test triggers in a real engine, for tests/reliability: a step that schedules a request whose text
-prompt holds FAULT_MARKER raises once, as a failing forward would, and a structured-output spec whose JSON holds
-it compiles SLOW_COMPILE_SECONDS later, as a large schema on a real vocabulary would. `install_fault_model`
+prompt holds FAULT_MARKER raises once, as a failing forward would; a structured-output spec whose JSON holds
+it compiles SLOW_COMPILE_SECONDS later, as a large schema on a real vocabulary would; and a step that schedules a
+request whose prompt holds PACE_MARKER takes PACE_SECONDS longer, as a large model's would, so a test that must act
+while a request still runs (cancel it, count it) has time to, however fast the tiny model decodes. `install_fault_model`
 makes a model repository's llm model tests/support/fault_model.py, which arms them on its engine."""
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pagedserve.backend.engine.llm_engine import LLMEngine
 
 FAULT_MARKER = "@@inject-step-fault@@"
 SLOW_COMPILE_SECONDS = 2.0
+PACE_MARKER = "@@paced@@"
+PACE_SECONDS = 0.02
 REPOSITORY_ROOT = Path(__file__).resolve().parents[2]  # where `tests` imports from
 
 _MODEL_FILE = '''"""The llm model with the faults of tests/support/faults.py: written by the tests, never served otherwise."""
@@ -47,6 +51,24 @@ def arm_step_fault(engine: LLMEngine, marker: str = FAULT_MARKER) -> None:
         return execute(scheduler_output)
 
     engine.add_request, engine.runner.execute = add_marked, failing_execute
+
+
+def arm_pacing(engine: LLMEngine, marker: str = PACE_MARKER, seconds: float = PACE_SECONDS) -> None:
+    """Make every step that schedules a request added with `marker` in its prompt take `seconds` longer."""
+    paced: set[str] = set()  # engine thread only, as add_request and step are
+    add_request, execute = engine.add_request, engine.runner.execute
+
+    def add_paced(request_id: str, prompt: str | None, *args: Any, **kwargs: Any) -> None:
+        add_request(request_id, prompt, *args, **kwargs)
+        if prompt and marker in prompt:
+            paced.add(request_id)
+
+    def paced_execute(scheduler_output: Any) -> Any:
+        if any((item.request.group_id or item.request.request_id) in paced for item in scheduler_output.scheduled):
+            time.sleep(seconds)
+        return execute(scheduler_output)
+
+    engine.add_request, engine.runner.execute = add_paced, paced_execute
 
 
 def slow_compiles(engine: LLMEngine, marker: str = FAULT_MARKER, seconds: float = SLOW_COMPILE_SECONDS) -> None:
