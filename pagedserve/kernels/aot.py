@@ -23,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8"}
+                 torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8",
+                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 SM90_MAX_SHARED_BYTES = 232448  # 227 KB per block on H100/H200
 
 

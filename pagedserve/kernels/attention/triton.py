@@ -3,6 +3,8 @@
 Layouts as in kernels.attention.paged_attention. A program owns one KV head and a tile of BLOCK_M rows; a row is one
 (query token, query head of that KV head's group), so a K/V tile loaded once serves the whole GQA group.
 Every address that involves a block id or a token index is computed in int64.
+An fp8 cache (float8_e4m3fn, float8_e5m2) is read as stored * scale: K/V tiles are widened in registers, k_scale is
+folded into the score scale and v_scale into the output.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.cache.triton import check_scales, is_fp8
+
+SUPPORTS_FP8_KV = True
 _LOG2E = 1.4426950408889634
 
 
@@ -121,9 +126,10 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
     num_seqs,
-    qk_scale,
+    qk_scale,  # with k_scale folded in
     window,
     soft_cap,
+    v_scale,  # multiplies the output (1.0 unless the cache is fp8)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -201,7 +207,7 @@ def _paged_attention_kernel(
         HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, WINDOWED, SOFT_CAP,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(
         out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty), mask=io_mask,
@@ -284,6 +290,7 @@ def _split_reduce_kernel(
     out_ptr,  # [S, Hq, D]
     part_acc_ptr,  # [S, Hq, NUM_SPLITS, HEAD_PAD] fp32
     part_ml_ptr,  # [S, Hq, NUM_SPLITS, 2] fp32
+    v_scale,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -302,15 +309,18 @@ def _split_reduce_kernel(
     # finite.
     w = tl.exp2(m - m_max)
     acc = tl.load(part_acc_ptr + (row0 + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0) * v_scale
     tl.store(
         out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
 
 
-def _dot_dtype(cache_dtype: torch.dtype) -> tl.dtype:
-    """The cache dtype, except bf16 under the CPU interpreter, whose bf16 tl.dot is wrong (triton 3.9)."""
+def _dot_dtype(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> tl.dtype:
+    """The cache dtype (the query's for an fp8 cache, whose values it holds exactly), except bf16 under the CPU
+    interpreter, whose bf16 tl.dot is wrong (triton 3.9)."""
+    if is_fp8(cache_dtype):
+        cache_dtype = query_dtype
     interpreting = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
     if cache_dtype == torch.float32 or (cache_dtype == torch.bfloat16 and interpreting):
         return tl.float32
@@ -361,6 +371,7 @@ class _Launch:
     cu_seqlens_q: torch.Tensor
     seq_lens: torch.Tensor
     qk_scale: float
+    v_scale: float
     head_pad: int
     dot_dtype: tl.dtype
     window: int  # 0: no sliding window
@@ -399,7 +410,7 @@ class _Launch:
             **self.constexprs(), num_warps=4, num_stages=2,
         )
         _split_reduce_kernel[(num_seqs, num_q_heads)](
-            out, part_acc, part_ml, out.stride(0), out.stride(1),
+            out, part_acc, part_ml, self.v_scale, out.stride(0), out.stride(1),
             HEAD_DIM=query.shape[2], HEAD_PAD=self.head_pad, NUM_SPLITS=num_splits,
             num_warps=8 if num_splits * self.head_pad >= 8192 else 4,
         )
@@ -417,7 +428,8 @@ class _Launch:
         num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
         _paged_attention_kernel[(num_q_tiles, self.key_cache.shape[2])](
             out, query, self.key_cache, self.value_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-            num_seqs, self.qk_scale, self.window, self.soft_cap, query.stride(0), query.stride(1), out.stride(0),
+            num_seqs, self.qk_scale, self.window, self.soft_cap, self.v_scale, query.stride(0), query.stride(1),
+            out.stride(0),
             out.stride(1), *self.strides(),
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_block_n(max_seqlen_k, self.head_pad), **self.constexprs(),
             num_warps=8 if big_tiles or (self.head_pad > 128 and not decode_only) else 4,
@@ -429,10 +441,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """kernels.attention.paged_attention: the unified kernel, or the split-K decode kernels when every
-    sequence decodes one token (num_splits: None = heuristic; tests force it)."""
+    sequence decodes one token (num_splits: None = heuristic; tests force it). An fp8 cache reads as
+    stored * k_scale / v_scale."""
     _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    check_scales(key_cache, value_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(-1) == 1, "out must match query with unit last stride"
@@ -440,9 +454,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if num_tokens == 0:
         return out
     # Soft-capping scales the dot products by scale / cap before tanh, and the tanh by cap in the log2 domain.
+    # k_scale rides on the score scale: q . (k * k_scale) * scale = (q . k) * (scale * k_scale).
+    scale = scale * k_scale
     qk_scale = scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap
-    launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, qk_scale,
-                     max(16, triton.next_power_of_2(query.shape[2])), _dot_dtype(key_cache.dtype),
+    launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, qk_scale, v_scale,
+                     max(16, triton.next_power_of_2(query.shape[2])), _dot_dtype(key_cache.dtype, query.dtype),
                      sliding_window or 0, 0.0 if logits_soft_cap is None else logits_soft_cap * _LOG2E)
     decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
     # A decode reads at most its window: split that, not the whole context.
