@@ -139,3 +139,45 @@ def make_tiny_decoder_classifier(path: str | Path, arch: str = "qwen3", *, num_l
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# vLLM's documented prompt for Qwen3-Reranker (examples/offline_inference/qwen3_reranker.py): the query part, then
+# the document part; scored as one text.
+QWEN3_RERANKER_PREFIX = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query '
+                         'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+                         '<|im_start|>user\n')
+QWEN3_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def qwen3_reranker_pair(query: str, document: str,
+                        instruction: str = "Given a web search query, retrieve relevant passages that answer the "
+                                           "query") -> tuple[str, str]:
+    """(query text, document text) in Qwen3-Reranker's prompt."""
+    return (f"{QWEN3_RERANKER_PREFIX}<Instruct>: {instruction}\n<Query>: {query}\n",
+            f"<Document>: {document}{QWEN3_RERANKER_SUFFIX}")
+
+
+def make_tiny_qwen3_reranker(path: str | Path, *, original: bool = True, tie_word_embeddings: bool = True,
+                             seed: int = 0) -> Path:
+    """A tiny Qwen3 causal LM whose vocabulary has "no" and "yes", its config.json carrying vLLM's hf_overrides
+    for Qwen3-Reranker: architecture Qwen3ForSequenceClassification, classifier_from_token ["no", "yes"] and
+    (`original`) is_original_qwen3_reranker."""
+    import torch
+    import transformers
+
+    path = make_tiny_model(path, "qwen3", tie_word_embeddings=tie_word_embeddings, seed=seed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["no", "yes"])
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():  # distinct random rows for the new tokens, so yes - no is far from zero
+        model.get_output_embeddings().weight[-2:] = torch.randn(2, model.config.hidden_size)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path, safe_serialization=True)
+    config = json.loads((path / "config.json").read_text())
+    config.update(architectures=["Qwen3ForSequenceClassification"], classifier_from_token=["no", "yes"])
+    if original:
+        config["is_original_qwen3_reranker"] = True
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

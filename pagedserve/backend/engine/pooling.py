@@ -34,6 +34,8 @@ class PoolingSupport:
         self.is_encoder = is_encoder
         self.labels: tuple[str, ...] = tuple(getattr(pooler.model.config, "id2label", ()) or ())
         self.is_classifier = pooler.head is not None
+        # A causal LM scored by token logits reads a pair as one text, query then document (vLLM's).
+        self.joins_pairs = bool(getattr(pooler.model.config, "classifier_from_token", ()))
         self.raw = _config_json(model_path)
         self.max_tokens_per_step = scheduler_config.max_num_batched_tokens
         positions = int(pooler.model.config.max_position_embeddings)
@@ -84,7 +86,7 @@ class PoolingSupport:
         if prompt is not None and params.task == "embed":
             prompt = self._with_instruction(prompt, params.prompt_name)
         if text_pair is not None:
-            token_ids, params.first_segment_tokens = _tokenize_pair(tokenizer, prompt, text_pair)
+            token_ids, params.first_segment_tokens = _tokenize_pair(tokenizer, prompt, text_pair, self.joins_pairs)
         else:
             token_ids = resolve_prompt(tokenizer, vocab_size, prompt, token_ids)
         # The whole prompt in one step: an encoder attends both ways, CLS / mean pooling read every token.
@@ -147,12 +149,14 @@ def _activation(raw: dict, logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def _tokenize_pair(tokenizer: Any, text: str | None, pair: str) -> tuple[list[int], int | None]:
-    """A text pair's ids as the tokenizer joins them, and how many of them are the first segment (where the
-    tokenizer gives token types)."""
+def _tokenize_pair(tokenizer: Any, text: str | None, pair: str, join: bool) -> tuple[list[int], int | None]:
+    """A text pair's ids as the tokenizer joins them (`join`: as one text), and how many of them are the first
+    segment (where the tokenizer gives token types)."""
     for name, value in (("text", text), ("text_pair", pair)):
         if not isinstance(value, str) or not value:
             raise InvalidRequestError(f"{name} must be a non-empty string", name)
+    if join:
+        return list(tokenizer(text + pair)["input_ids"]), None
     encoded = tokenizer(text, pair)
     types = encoded.get("token_type_ids")
     first = None

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from pagedserve.backend.core.scheduler import ScheduledRequest
+from pagedserve.backend.model.config import UnsupportedModelError
+from pagedserve.backend.model.loader import load_tokenizer
 from pagedserve.backend.model.pooler import PoolingConfig, pool_rows, read_pooling_config
 
 # (request id, first row of its tokens in the step, how many rows): a pooling request whose prompt ends this step.
@@ -28,6 +30,8 @@ class StepPooler:
     def for_model(cls, model: nn.Module, path: str | Path) -> StepPooler:
         """The pooler of the model loaded from `path` (a classifier pools as its head expects)."""
         default = getattr(model, "default_pooling", "lasttoken")
+        if hasattr(model, "bind_score_tokens"):
+            model.bind_score_tokens(_score_token_ids(model.config.classifier_from_token, path))
         if getattr(model, "pooling_head", None) is not None or str(path).endswith(".gguf"):
             return cls(model, PoolingConfig(default, False))
         return cls(model, read_pooling_config(path, default, default_normalize=True))
@@ -41,6 +45,16 @@ class StepPooler:
         if self.head is not None:
             vectors = self.head(vectors.to(hidden.dtype)).float()
         return dict(zip(ids, vectors.cpu().unbind(0), strict=True))
+
+
+def _score_token_ids(tokens: tuple[str, ...], path: str | Path) -> list[int]:
+    """The vocabulary ids of a token-scoring reranker's tokens (config.json's classifier_from_token)."""
+    tokenizer = load_tokenizer(path)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    missing = [t for t, i in zip(tokens, ids, strict=True) if i is None or i == tokenizer.unk_token_id]
+    if missing:
+        raise UnsupportedModelError(f"classifier_from_token names {missing}, not tokens of this model's vocabulary")
+    return ids
 
 
 def pool_spans(scheduled: list[ScheduledRequest]) -> list[PoolSpan]:
