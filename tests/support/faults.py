@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,9 @@ __all__ = ["TritonPythonModel"]
 '''
 
 
-def arm_step_fault(engine: LLMEngine, marker: str = FAULT_MARKER) -> None:
-    """Make the runner's forward raise, once per request, in a step that schedules a request added with
-    `marker` in its prompt (the engine then ends that step's requests with the error)."""
+def _before_marked_steps(engine: LLMEngine, marker: str, act: Callable[[set[str], set[str]], None]) -> None:
+    """Call act(hit, marked) before each forward whose step schedules requests (`hit`) that were added with
+    `marker` in their prompt; `marked` is every such request still known, for act to forget some."""
     marked: set[str] = set()  # engine thread only, as add_request and step are
     add_request, execute = engine.add_request, engine.runner.execute
 
@@ -43,32 +44,29 @@ def arm_step_fault(engine: LLMEngine, marker: str = FAULT_MARKER) -> None:
         if prompt and marker in prompt:
             marked.add(request_id)
 
-    def failing_execute(scheduler_output: Any) -> Any:
+    def marked_execute(scheduler_output: Any) -> Any:
         hit = {item.request.group_id or item.request.request_id for item in scheduler_output.scheduled} & marked
         if hit:
-            marked.difference_update(hit)
-            raise RuntimeError(f"injected fault for {sorted(hit)}")
+            act(hit, marked)
         return execute(scheduler_output)
 
-    engine.add_request, engine.runner.execute = add_marked, failing_execute
+    engine.add_request, engine.runner.execute = add_marked, marked_execute
+
+
+def arm_step_fault(engine: LLMEngine, marker: str = FAULT_MARKER) -> None:
+    """Make the runner's forward raise, once per request, in a step that schedules a request added with
+    `marker` in its prompt (the engine then ends that step's requests with the error)."""
+
+    def fail(hit: set[str], marked: set[str]) -> None:
+        marked.difference_update(hit)
+        raise RuntimeError(f"injected fault for {sorted(hit)}")
+
+    _before_marked_steps(engine, marker, fail)
 
 
 def arm_pacing(engine: LLMEngine, marker: str = PACE_MARKER, seconds: float = PACE_SECONDS) -> None:
     """Make every step that schedules a request added with `marker` in its prompt take `seconds` longer."""
-    paced: set[str] = set()  # engine thread only, as add_request and step are
-    add_request, execute = engine.add_request, engine.runner.execute
-
-    def add_paced(request_id: str, prompt: str | None, *args: Any, **kwargs: Any) -> None:
-        add_request(request_id, prompt, *args, **kwargs)
-        if prompt and marker in prompt:
-            paced.add(request_id)
-
-    def paced_execute(scheduler_output: Any) -> Any:
-        if any((item.request.group_id or item.request.request_id) in paced for item in scheduler_output.scheduled):
-            time.sleep(seconds)
-        return execute(scheduler_output)
-
-    engine.add_request, engine.runner.execute = add_paced, paced_execute
+    _before_marked_steps(engine, marker, lambda hit, marked: time.sleep(seconds))
 
 
 def slow_compiles(engine: LLMEngine, marker: str = FAULT_MARKER, seconds: float = SLOW_COMPILE_SECONDS) -> None:
