@@ -181,3 +181,37 @@ def make_tiny_qwen3_reranker(path: str | Path, *, original: bool = True, tie_wor
         config["is_original_qwen3_reranker"] = True
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def make_tiny_modernbert(path: str | Path, *, head: str = "embed", pooling: str = "mean",
+                         classifier_pooling: str = "cls", num_labels: int = 1, local_attention: int = 8,
+                         num_layers: int = 4, seed: int = 0) -> Path:
+    """Save a tiny random ModernBERT (global attention every third layer, a +-local_attention/2 window in the
+    others, small enough that the test inputs cross it): `head` "embed" (ModernBertModel plus
+    sentence-transformers files pooling by `pooling`) or "classify" (ModernBertForSequenceClassification pooling
+    by `classifier_pooling`)."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_encoder_tokenizer("bert")
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]  # ModernBERT takes no token types
+    tokenizer.save_pretrained(path)
+    labels = {i: f"label_{i}" for i in range(num_labels)}
+    config = transformers.ModernBertConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=4, max_position_embeddings=512, local_attention=local_attention,
+        global_attn_every_n_layers=3, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id, cls_token_id=tokenizer.cls_token_id,
+        sep_token_id=tokenizer.sep_token_id, classifier_pooling=classifier_pooling, id2label=labels,
+        label2id={v: k for k, v in labels.items()},
+    )
+    torch.manual_seed(seed)
+    cls = transformers.ModernBertModel if head == "embed" else transformers.ModernBertForSequenceClassification
+    model = cls(config)
+    _widen_init(model, random_norms=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if head == "embed":
+        write_sentence_transformers_files(path, 64, pooling, max_seq_length=512)
+    return path

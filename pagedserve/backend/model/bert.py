@@ -82,15 +82,19 @@ class Embeddings(nn.Module):
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                            scale: float) -> torch.Tensor:  # [T, H, D] each -> [T, H, D]
-    """Each sequence's queries over all its own keys: one SDPA call a sequence with 4-D inputs [1, H, L, D]
-    (SDPA's fused CPU kernel; one padded, masked call over all the step's sequences took its slow path and
-    attended to the padding)."""
+                            scale: float, window: int | None = None) -> torch.Tensor:  # [T, H, D] each -> [T, H, D]
+    """Each sequence's queries over all its own keys (`window`: those at most that many tokens away): one SDPA
+    call a sequence with 4-D inputs [1, H, L, D] (SDPA's fused CPU kernel; one padded, masked call over all the
+    step's sequences took its slow path and attended to the padding)."""
     bounds = meta.cu_seqlens_q.tolist()
     out = torch.empty_like(q)
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)[0].transpose(0, 1)
+        mask = None
+        if window is not None and end - start > window + 1:
+            index = torch.arange(end - start, device=q.device)
+            mask = (index[:, None] - index[None, :]).abs() <= window
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1)
     return out
 
 

@@ -24,11 +24,14 @@ _FAMILY_MODULES = {
     "BertForSequenceClassification": "bert",
     "XLMRobertaModel": "xlm_roberta",
     "XLMRobertaForSequenceClassification": "xlm_roberta",
+    "ModernBertModel": "modernbert",
+    "ModernBertForSequenceClassification": "modernbert",
     "LlamaForSequenceClassification": "seq_classifier",
     "MistralForSequenceClassification": "seq_classifier",
     "Qwen2ForSequenceClassification": "seq_classifier",
     "Qwen3ForSequenceClassification": "seq_classifier",
     "LlavaForConditionalGeneration": "llava",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_FAMILY_MODULES))
 

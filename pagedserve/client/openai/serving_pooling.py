@@ -27,7 +27,7 @@ MAX_POOLING_INPUTS = 2048
 _RENAMES = {"embedding_request.input": "input", "prompt_token_ids": "input", "prompt": "input", "text": "input",
             "text_pair": "input", "input": "input", "task": "model", "dimensions": "dimensions",
             "embedding_request.pooling_params.dimensions": "dimensions"}
-_ENCODER_ARCHS = ("BertModel", "XLMRobertaModel")
+_ENCODER_ARCHS = ("BertModel", "XLMRobertaModel", "ModernBertModel")
 
 
 async def model_tasks(shim: OpenAIShim) -> list[str]:
