@@ -5,21 +5,19 @@ dequantized weights."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_file import GGUFError
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.quantized import QuantizedEmbedding, QuantizedLinear
 from pagedserve.testing import make_tiny_model
 from tests.support import tiny_gguf
-from tests.support.engines import cpu_engine, greedy
+from tests.support.parity import assert_served_file_matches_transformers
 
 # Every width a whole number of 256-value super-blocks: head_dim 64 over 4 heads.
 _WIDE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, random_norms=True)
@@ -88,18 +86,7 @@ def _family_matches_transformers(family: str, kind_of, hf_reference, tmp_path) -
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)
     assert type(model).__name__.lower().startswith(arch[:5])
     assert _fields(model.config) == _fields(ModelArchConfig.from_pretrained(path.with_suffix(".ref")))
-    engine = cpu_engine(path, num_blocks=64, block_size=4)
-    rng = random.Random(8)
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(5, 24))] for _ in range(6)]
-    twin = path.with_suffix(".ref")
-    outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, greedy(10))]
-    for prompt, got in zip(prompts, outputs, strict=True):
-        assert got == hf_reference.greedy(twin, prompt, 10)[0], prompt
-    # Every prompt position's logprob too: tiny tied Gemmas mostly repeat a token, so greedy alone says little.
-    scored = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    for prompt, out in zip(prompts, scored, strict=True):
-        got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
-        assert got == pytest.approx(hf_reference.prompt_logprobs(twin, prompt), rel=2e-5, abs=1e-4)
+    assert_served_file_matches_transformers(path, path.with_suffix(".ref"), hf_reference, seed=8)
 
 
 def test_rope_factors_no_llama3_scaling_reproduces_are_refused_naming_the_tensor(tmp_path):

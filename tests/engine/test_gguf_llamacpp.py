@@ -5,12 +5,9 @@ greedy tokens and prompt logprobs on those dequantized weights."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.gguf_loader import load_gguf_model
 from pagedserve.backend.model.moe import QuantizedExperts
@@ -20,7 +17,6 @@ from pagedserve.testing import make_tiny_model
 from tests.engine.test_gguf_families import _WIDE
 from tests.engine.test_gguf_families import FAMILIES as DENSE
 from tests.support import tiny_gguf
-from tests.support.engines import cpu_engine, greedy
 from tests.support.make_llamacpp_fixtures import (
     TYPES,
     built_llama_quantize,
@@ -28,6 +24,7 @@ from tests.support.make_llamacpp_fixtures import (
     llama_quantize,
     make_hf_model,
 )
+from tests.support.parity import assert_served_file_matches_transformers
 
 # The types llama-quantize chose within each mix (the tied token table as the output, Q6_K).
 MIXES = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q6_K": {"Q6_K"}, "Q5_K_S": {"Q5_K", "Q6_K"},
@@ -64,7 +61,7 @@ def test_a_llama_quantize_file_serves_transformers_tokens_on_its_dequantized_wei
     model = load_gguf_model(fixture(kind), torch.float32, torch.device("cpu"), 1024)
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantizedLinear)
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.lm_head.weight is model.embed_tokens.weight
-    _engine_matches_transformers(fixture(kind), twins[kind], hf_reference)
+    assert_served_file_matches_transformers(fixture(kind), twins[kind], hf_reference, seed=37)
 
 
 # MoE files are too large to commit; made here by llama-quantize when bench/llamacpp_peer has built it.
@@ -84,7 +81,7 @@ def test_a_llama_quantize_moe_file_serves_its_experts_with_transformers_tokens(f
     assert (kinds["ffn_gate_exps"], kinds["ffn_down_exps"], kinds["ffn_gate_inp"]) == ("Q4_K", "Q6_K", "F32")
     model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
     assert all(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.layers)
-    _engine_matches_transformers(path, tiny_gguf.write_dequantized_twin(path, folder), hf_reference)
+    assert_served_file_matches_transformers(path, tiny_gguf.write_dequantized_twin(path, folder), hf_reference, seed=37)
 
 
 @pytest.mark.slow
@@ -94,24 +91,10 @@ def test_a_llama_quantize_file_of_each_dense_family_gives_transformers_tokens(fa
     folder = make_tiny_model(tmp_path / "hf", family.split("-")[0], seed=39, **{**_WIDE, **DENSE.get(family, {})})
     path = _llama_quantized(folder, tmp_path, "Q4_K_M")
     assert {t.tensor_type.name for t in gguf_file.read(path).tensors} >= {"Q4_K", "Q6_K"}
-    _engine_matches_transformers(path, tiny_gguf.write_dequantized_twin(path, folder), hf_reference)
+    assert_served_file_matches_transformers(path, tiny_gguf.write_dequantized_twin(path, folder), hf_reference, seed=37)
 
 
 def _llama_quantized(folder, tmp_path, kind: str):
     """The tiny model in `folder` as tiny_gguf's F32 file quantized by llama-quantize to `kind`."""
     source = tiny_gguf.write_blocks_gguf(folder, tmp_path / "f32.gguf", lambda name: None)
     return llama_quantize(built_llama_quantize(), source, tmp_path / f"{kind}.gguf", kind)
-
-
-def _engine_matches_transformers(path, twin, hf_reference) -> None:
-    """Greedy tokens and every prompt logprob of the file served as stored equal transformers' on `twin`."""
-    engine = cpu_engine(path, num_blocks=64, block_size=4)
-    rng = random.Random(37)
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(5, 24))] for _ in range(6)]
-    outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, greedy(10))]
-    for prompt, got in zip(prompts, outputs, strict=True):
-        assert got == hf_reference.greedy(twin, prompt, 10)[0], prompt
-    scored = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    for prompt, out in zip(prompts, scored, strict=True):
-        got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
-        assert got == pytest.approx(hf_reference.prompt_logprobs(twin, prompt), rel=2e-5, abs=1e-4)

@@ -5,12 +5,9 @@ tokens and every prompt logprob equal transformers' on the dequantized weights, 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.model import gguf_file
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.gguf_file import GGUFError
@@ -20,7 +17,7 @@ from pagedserve.backend.model.quantized import QuantizedLinear
 from pagedserve.testing import make_tiny_model
 from tests.engine.test_gguf_families import _fields, q4_k_m, q5_k_m
 from tests.support import tiny_gguf
-from tests.support.engines import cpu_engine, greedy
+from tests.support.parity import assert_served_file_matches_transformers
 
 # Every width a whole number of 256-value super-blocks; four experts, top-2.
 _WIDE = dict(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2, random_norms=True)
@@ -30,20 +27,6 @@ FAMILIES = {
                                      "shared_expert_intermediate_size": 256}),
     "qwen3_moe": dict(config_extras={"num_experts": 4, "moe_intermediate_size": 256, "head_dim": 64}),
 }
-
-
-def _engine_matches_transformers(path, hf_reference) -> None:
-    engine = cpu_engine(path, num_blocks=64, block_size=4)
-    rng = random.Random(9)
-    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(5, 24))] for _ in range(6)]
-    twin = path.with_suffix(".ref")
-    outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, greedy(10))]
-    for prompt, got in zip(prompts, outputs, strict=True):
-        assert got == hf_reference.greedy(twin, prompt, 10)[0], prompt
-    scored = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    for prompt, out in zip(prompts, scored, strict=True):
-        got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
-        assert got == pytest.approx(hf_reference.prompt_logprobs(twin, prompt), rel=2e-5, abs=1e-4)
 
 
 @pytest.mark.slow
@@ -59,7 +42,7 @@ def test_a_moe_gguf_serves_its_quantized_experts_as_stored_with_transformers_tok
     assert _fields(model.config) == _fields(ModelArchConfig.from_pretrained(path.with_suffix(".ref")))
     if family == "qwen2_moe":
         assert isinstance(block.shared_expert.gate_up_proj, QuantizedLinear)
-    _engine_matches_transformers(path, hf_reference)
+    assert_served_file_matches_transformers(path, path.with_suffix(".ref"), hf_reference, seed=9)
 
 
 @pytest.mark.slow
@@ -68,7 +51,7 @@ def test_float_expert_stacks_load_into_the_fused_moe_parameters(hf_reference, tm
     path = tiny_gguf.write_blocks_gguf(folder, tmp_path / "f.gguf", lambda name: None if "_exps" in name else "Q8_0")
     model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
     assert model.layers[1].mlp.experts.w13.shape == (4, 512, 256)
-    _engine_matches_transformers(path, hf_reference)
+    assert_served_file_matches_transformers(path, path.with_suffix(".ref"), hf_reference, seed=9)
 
 
 def test_an_expert_stack_the_metadata_contradicts_is_refused_naming_it(tmp_path):
@@ -110,4 +93,4 @@ def test_a_moe_family_s_q5_k_m_and_q6_k_files_give_transformers_tokens(family, m
                                       q5_k_m if mix == "Q5_K_M" else (lambda name: "Q6_K"))
     model = load_gguf_model(path, torch.float32, torch.device("cpu"), 1024)
     assert isinstance(model.layers[1].mlp.experts, QuantizedExperts)
-    _engine_matches_transformers(path, hf_reference)
+    assert_served_file_matches_transformers(path, path.with_suffix(".ref"), hf_reference, seed=9)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.backend.core.sampling_params import SamplingParams
-from tests.support.engines import cpu_engine
+from tests.support.engines import cpu_engine, greedy
 from tests.support.oracle import HFReference
 
 PROMPT_LENGTHS = [5, 9, 14, 22, 31, 40, 52, 70]
@@ -57,3 +57,19 @@ def assert_staggered_batch_matches_transformers(path: Path, hf_reference: HFRefe
         assert completion.finish_reason == "length"
         got = [lp[tok] for lp, tok in zip(completion.logprobs, completion.token_ids, strict=True)]
         assert got == pytest.approx(ref_logprobs, abs=1e-4)
+
+
+def assert_served_file_matches_transformers(path: Path, twin: Path, hf_reference: HFReference, seed: int) -> None:
+    """Six random prompts through an engine on `path` (a quantized file served as stored): greedy tokens and
+    every prompt position's logprob equal transformers' on `twin` (its dequantized twin). The logprobs matter:
+    tiny tied models mostly repeat a token, so greedy alone says little."""
+    engine = cpu_engine(path, num_blocks=64, block_size=4)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randrange(5, 24))] for _ in range(6)]
+    outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, greedy(10))]
+    for prompt, got in zip(prompts, outputs, strict=True):
+        assert got == hf_reference.greedy(twin, prompt, 10)[0], prompt
+    scored = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    for prompt, out in zip(prompts, scored, strict=True):
+        got = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        assert got == pytest.approx(hf_reference.prompt_logprobs(twin, prompt), rel=2e-5, abs=1e-4)
