@@ -203,7 +203,7 @@ def test_from_pretrained_takes_every_parameter_into_its_config():
     assert {name for names in CONFIG_FIELDS.values() for name in names} == {
         p.name for p in engine_parameters() if p.is_field}
     options = {"dtype": "float32", "quantization": "int8", "device": "cpu", "seed": 3, "cpu_threads": 2,
-               "tensor_parallel_size": 2, "runner": "pooling", "block_size": 32, "num_blocks": 9, "kv_cache_memory_bytes": 4096,
+               "tensor_parallel_size": 2, "runner": "pooling", "max_pooling_inputs": 7, "block_size": 32, "num_blocks": 9, "kv_cache_memory_bytes": 4096,
                "gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "max_num_seqs": 4,
                "max_num_batched_tokens": 64, "max_model_len": 128, "max_num_waiting": 5,
                "scheduling_policy": "priority", "max_num_encoder_input_tokens": 16,

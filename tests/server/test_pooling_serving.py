@@ -37,7 +37,8 @@ def embedder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Running
 def reranker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningTriton, str]]:
     work = tmp_path_factory.mktemp("reranker")
     path = make_tiny_encoder(work / "tiny-xlmr-reranker", "xlm_roberta", head="classify")
-    with triton_running(path, work, PARAMS, llm_only=True) as running, \
+    # The inputs limit at the documents these tests send, so one more is refused.
+    with triton_running(path, work, {**PARAMS, "max_pooling_inputs": str(len(DOCS))}, llm_only=True) as running, \
             running.openai_shim("--model-name", path.name) as url:
         yield running, url
 
@@ -138,6 +139,20 @@ def test_rerank_score_and_classify_equal_cross_encoder(reranker):
     answer = httpx.post(f"{url}/rerank", json={"model": model, "query": query, "documents": DOCS, "top_n": 0})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "top_n"
     assert httpx.get(f"{url}/v1/models").json()["data"][0]["capabilities"] == ["classify", "score"]
+
+
+def test_more_inputs_than_max_pooling_inputs_are_refused_naming_the_field(reranker):
+    running, url = reranker
+    model = running.model_path.name
+    cases = [("/rerank", {"query": "q", "documents": [*DOCS, "one more"]}, "documents"),
+             ("/score", {"text_1": "q", "text_2": [*DOCS, "one more"]}, "text_2"),
+             ("/classify", {"input": [*DOCS, "one more"]}, "input")]
+    for path, body, param in cases:
+        answer = httpx.post(f"{url}{path}", json={"model": model, **body})
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param and "max_pooling_inputs" in error["message"]
+    assert httpx.post(f"{url}/classify", json={"model": model, "input": DOCS}).status_code == 200
 
 
 def test_cli_embed_prints_each_texts_embedding(embedder, capsys):

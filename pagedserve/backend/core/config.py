@@ -139,6 +139,9 @@ class ModelConfig:
     runner: str = param("auto", "what the engine serves: generate, pooling (embed / classify / score) or all (a "
                                 "decoder generating and pooling); auto: pooling for an encoder, a classifier or a "
                                 "sentence-transformers folder, else generate", RUNNERS)
+    max_pooling_inputs: int = param(2048, "most inputs (texts, token lists, documents, pairs) one pooling request "
+                                          "to the OpenAI shim may carry, as TEI's --max-client-batch-size; more are "
+                                          "refused naming the input field")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -160,6 +163,7 @@ class ModelConfig:
             _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL_SIZE)
         _check_int("data_parallel_rank", self.data_parallel_rank, 0, 1023)
+        _check_int("max_pooling_inputs", self.max_pooling_inputs, 1, 1 << 20)
         if self.runner not in RUNNERS:
             raise ConfigError(f"runner must be one of {RUNNERS}, got {self.runner!r}", "runner")
 

@@ -6,23 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import struct
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pagedserve.backend.core.config import ModelConfig
 from pagedserve.client.openai.errors import TRITON_ERRORS, APIError, bad_request, triton_api_error
 from pagedserve.client.openai.protocol import MAX_TOKEN_ID, model_field, refuse_unknown_fields
 from pagedserve.client.openai.shim import OpenAIShim
 from pagedserve.client.triton_client import TritonUnavailableError
 
-# The most inputs (texts, token lists, documents, pairs) one request may carry; more are refused naming `input`.
-MAX_POOLING_INPUTS = 2048
+# The engine's default for the most inputs (texts, token lists, documents, pairs) one request may carry.
+MAX_POOLING_INPUTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}["max_pooling_inputs"]
+_INPUT_LIMITS: weakref.WeakKeyDictionary[OpenAIShim, int] = weakref.WeakKeyDictionary()
 # Engine fields as the endpoints name them.
 _RENAMES = {"embedding_request.input": "input", "prompt_token_ids": "input", "prompt": "input", "text": "input",
             "text_pair": "input", "input": "input", "task": "model", "dimensions": "dimensions",
@@ -48,8 +52,21 @@ async def model_tasks(shim: OpenAIShim) -> list[str]:
     return ["embed"] if pooling else ["generate", "embed"] if runner == "all" else ["generate"]
 
 
-def _inputs(body: dict, name: str = "input") -> list[str | list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists, as a list of inputs."""
+async def max_pooling_inputs(shim: OpenAIShim) -> int:
+    """The llm model's max_pooling_inputs parameter, read once (the default while unset or Triton cannot be
+    asked)."""
+    if shim not in _INPUT_LIMITS:
+        try:
+            value = (await shim.client.model_parameters()).get("max_pooling_inputs", "").strip()
+        except TritonUnavailableError:
+            return MAX_POOLING_INPUTS
+        _INPUT_LIMITS[shim] = int(value) if value.isdigit() else MAX_POOLING_INPUTS
+    return _INPUT_LIMITS[shim]
+
+
+def _inputs(body: dict, limit: int, name: str = "input") -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists, as a list of at most
+    `limit` inputs."""
     value = body.get(name)
     if isinstance(value, str):
         value = [value]
@@ -57,8 +74,9 @@ def _inputs(body: dict, name: str = "input") -> list[str | list[int]]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise bad_request(f"'{name}' must be a non-empty string, list of strings or list of token ids", name)
-    if len(value) > MAX_POOLING_INPUTS:
-        raise bad_request(f"'{name}' holds {len(value)} inputs; at most {MAX_POOLING_INPUTS} a request", name)
+    if len(value) > limit:
+        raise bad_request(f"'{name}' holds {len(value)} inputs; at most {limit} a request (max_pooling_inputs)",
+                          name)
     for item in value:
         text = isinstance(item, str) and item
         ids = isinstance(item, list) and item and all(
@@ -102,7 +120,8 @@ async def embeddings(shim: OpenAIShim, body: dict) -> dict:
         params["dimensions"] = dims
     if body.get("normalize") is not None:
         params["normalize"] = body["normalize"]
-    vectors, tokens = await _pool_all(shim, [{"input": x, "pooling_params": params} for x in _inputs(body)])
+    inputs = _inputs(body, await max_pooling_inputs(shim))
+    vectors, tokens = await _pool_all(shim, [{"input": x, "pooling_params": params} for x in inputs])
     data = [{"object": "embedding", "index": i,
              "embedding": _base64(v) if fmt == "base64" else v} for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": shim.model_name, "usage": _usage(tokens)}
@@ -118,7 +137,8 @@ async def pooling(shim: OpenAIShim, body: dict) -> dict:
     refuse_unknown_fields(body, {"model", "input", "encoding_format", "dimensions", "user", "normalize"})
     task = "embed" if "embed" in await model_tasks(shim) else "classify"
     await shim.resolve_model(model_field(body))
-    vectors, tokens = await _pool_all(shim, [{"input": x, "pooling_params": {"task": task}} for x in _inputs(body)])
+    inputs = _inputs(body, await max_pooling_inputs(shim))
+    vectors, tokens = await _pool_all(shim, [{"input": x, "pooling_params": {"task": task}} for x in inputs])
     data = [{"object": "pooling", "index": i, "data": v} for i, v in enumerate(vectors)]
     return {**_header(shim, "pool"), "data": data, "usage": _usage(tokens)}
 
@@ -127,7 +147,7 @@ async def classify(shim: OpenAIShim, body: dict) -> dict:
     """vLLM's /classify: each input's label and class probabilities (id2label from the model's config)."""
     refuse_unknown_fields(body, {"model", "input", "user"})
     await shim.resolve_model(model_field(body))
-    inputs = _inputs(body)
+    inputs = _inputs(body, await max_pooling_inputs(shim))
     vectors, tokens = await _pool_all(shim, [{"input": x, "pooling_params": {"task": "classify"}} for x in inputs])
     labels = await _labels(shim)
     data = [{"index": i, "label": labels.get(max(range(len(v)), key=v.__getitem__)), "probs": v,
@@ -141,13 +161,13 @@ async def _labels(shim: OpenAIShim) -> dict[int, str]:
     return {int(k): str(v) for k, v in raw.items()}
 
 
-def _texts(body: dict, name: str) -> list[str]:
+def _texts(body: dict, name: str, limit: int) -> list[str]:
     value = body.get(name)
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items or not all(isinstance(t, str) and t for t in items):
         raise bad_request(f"'{name}' must be a non-empty string or a non-empty list of non-empty strings", name)
-    if len(items) > MAX_POOLING_INPUTS:
-        raise bad_request(f"'{name}' holds {len(items)} texts; at most {MAX_POOLING_INPUTS} a request", name)
+    if len(items) > limit:
+        raise bad_request(f"'{name}' holds {len(items)} texts; at most {limit} a request (max_pooling_inputs)", name)
     return items
 
 
@@ -174,7 +194,8 @@ async def score(shim: OpenAIShim, body: dict) -> dict:
     """vLLM's /score: `text_1` against `text_2`, 1:1, 1:N or N:N (pairwise)."""
     refuse_unknown_fields(body, {"model", "text_1", "text_2", "user", "truncate_prompt_tokens"})
     await shim.resolve_model(model_field(body))
-    first, second = _texts(body, "text_1"), _texts(body, "text_2")
+    limit = await max_pooling_inputs(shim)
+    first, second = _texts(body, "text_1", limit), _texts(body, "text_2", limit)
     if len(first) not in (1, len(second)):
         raise bad_request(f"'text_1' must hold 1 text or as many as 'text_2' ({len(second)}); got {len(first)}",
                           "text_1")
@@ -191,7 +212,7 @@ async def rerank(shim: OpenAIShim, body: dict) -> dict:
     query = body.get("query")
     if not isinstance(query, str) or not query:
         raise bad_request("'query' must be a non-empty string", "query")
-    documents = _texts(body, "documents")
+    documents = _texts(body, "documents", await max_pooling_inputs(shim))
     top_n = body.get("top_n", len(documents))
     if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
         raise bad_request("'top_n' must be an integer >= 1", "top_n")
