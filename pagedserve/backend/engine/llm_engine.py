@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pagedserve.backend.core.config import (
@@ -289,26 +289,31 @@ class LLMEngine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"got {len(params)} params for {len(prompts)} prompts", "params")
+
+        def submit(prompt: str | list[int], p: SamplingParams) -> Callable[[str], object]:
+            if isinstance(prompt, str):
+                return lambda rid: self.add_request(rid, prompt, p)
+            return lambda rid: self.add_request(rid, None, p, prompt_token_ids=list(prompt))
+
+        return self.run_all([submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)], "generate")
+
+    def run_all(self, submits: Sequence[Callable[[str], object]], prefix: str) -> list[RequestOutput]:
+        """Queue one request per `submits` entry (each called with its new id), all or nothing: a refused one
+        withdraws those queued before it; then step until each has its final output, returned in order."""
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                rid = f"generate-{next(self._id_counter)}"
-                if isinstance(prompt, str):
-                    self.add_request(rid, prompt, p)
-                else:
-                    self.add_request(rid, None, p, prompt_token_ids=list(prompt))
+            for submit in submits:
+                rid = f"{prefix}-{next(self._id_counter)}"
+                submit(rid)
                 ids.append(rid)
         except Exception:
-            # All or nothing: a refused prompt withdraws the ones queued before it.
             for rid in ids:
                 self.abort_request(rid)
             self.step()
             raise
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+            final.update((out.request_id, out) for out in self.step() if out.finished)
         return [final[rid] for rid in ids]
 
     def stream(

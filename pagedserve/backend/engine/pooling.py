@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -225,23 +226,12 @@ def run_pooling(engine: Any, inputs: Any, params: PoolingParams | None) -> list[
     """LLMEngine.encode: add every input (all or none), step until each has its final output, in input order."""
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
         inputs = [inputs]
-    ids: list[str] = []
-    try:
-        for item in inputs:
-            rid = f"encode-{uuid.uuid4().hex}"
-            if isinstance(item, tuple):
-                engine.add_pooling_request(rid, item[0], params, text_pair=item[1])
-            elif isinstance(item, str):
-                engine.add_pooling_request(rid, item, params)
-            else:
-                engine.add_pooling_request(rid, None, params, prompt_token_ids=list(item))
-            ids.append(rid)
-    except Exception:
-        for rid in ids:
-            engine.abort_request(rid)
-        engine.step()
-        raise
-    final: dict[str, RequestOutput] = {}
-    while len(final) < len(ids):
-        final.update((out.request_id, out) for out in engine.step() if out.finished)
-    return [final[rid] for rid in ids]
+
+    def submit(item: Any) -> Callable[[str], object]:
+        if isinstance(item, tuple):
+            return lambda rid: engine.add_pooling_request(rid, item[0], params, text_pair=item[1])
+        if isinstance(item, str):
+            return lambda rid: engine.add_pooling_request(rid, item, params)
+        return lambda rid: engine.add_pooling_request(rid, None, params, prompt_token_ids=list(item))
+
+    return engine.run_all([submit(item) for item in inputs], "encode")
