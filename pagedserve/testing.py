@@ -347,20 +347,25 @@ _VISION_TOWERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 
 
 def make_tiny_llava(path: str | Path, vision: str = "clip", *, text_arch: str = "llama",
-                    vision_feature_layer: int | list[int] = -2, seed: int = 0) -> Path:
+                    vision_feature_layer: int | list[int] = -2, seed: int = 0, image_size: int = 28,
+                    patch_size: int = 7,
+                    text_sizes: dict[str, int] | None = None, vision_sizes: dict[str, int] | None = None) -> Path:
     """Save a tiny random-weight LlavaForConditionalGeneration (a `vision` tower: clip or siglip, and a
     `text_arch` language model) with its processor: LlavaProcessor over transformers' image processor of that
-    tower and the tiny tokenizer with IMAGE_TOKEN added, which the processor expands to 16 tokens an image."""
+    tower and the tiny tokenizer with IMAGE_TOKEN added, which the processor expands to
+    (image_size / patch_size)^2 tokens an image (16 by default). `text_sizes` / `vision_sizes` override the
+    configs' sizes (a benchmark's larger model: hidden_size, num_hidden_layers, ...)."""
     import torch
     import transformers
 
     config_name, processor_name, strategy, processor_args = _VISION_TOWERS[vision]
+    processor_args = json.loads(json.dumps(processor_args).replace("28", str(image_size)))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     image_processor = getattr(transformers, processor_name)(**processor_args)
-    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=7,
+    processor = transformers.LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
                                             vision_feature_select_strategy=strategy,
                                             num_additional_image_tokens=int(vision == "clip"),
                                             chat_template=CHATML_TEMPLATE)
@@ -369,16 +374,18 @@ def make_tiny_llava(path: str | Path, vision: str = "clip", *, text_arch: str = 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
            (("bos_token_id", BOS_TOKEN), ("eos_token_id", EOS_TOKEN), ("pad_token_id", END_OF_TEXT))}
     text_config_name = _ARCHITECTURES[text_arch][0]
-    text_config = getattr(transformers, text_config_name)(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        **ids, **_ARCH_EXTRAS.get(text_arch, {}))
-    vision_config = getattr(transformers, config_name)(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                                       num_attention_heads=2, image_size=28, patch_size=7)
+    text_config = getattr(transformers, text_config_name)(**{
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+        **ids, **_ARCH_EXTRAS.get(text_arch, {}), **(text_sizes or {})})
+    vision_config = getattr(transformers, config_name)(**{
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
+        **(vision_sizes or {}), "image_size": image_size, "patch_size": patch_size})
     config = transformers.LlavaConfig(vision_config=vision_config, text_config=text_config,
                                       image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
                                       vision_feature_layer=vision_feature_layer,
-                                      vision_feature_select_strategy=strategy, image_seq_length=16, **ids)
+                                      vision_feature_select_strategy=strategy,
+                                      image_seq_length=(image_size // patch_size) ** 2, **ids)
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config)
     _widen_init(model)
