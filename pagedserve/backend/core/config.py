@@ -16,6 +16,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 QUANTIZATIONS = ("none", "int8", "int4")  # on-the-fly weight quantization (pagedserve/backend/model/quantized.py)
 # What an engine serves (vLLM's --runner): generation, pooling (embeddings, scores, classes), or on a decoder both.
 RUNNERS = ("auto", "generate", "pooling", "all")
+# The KV cache tensors' dtype (vLLM's values): the model's, or 8-bit floats (fp8 is e4m3), half the bytes a block.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_BLOCK_SIZE = 256
 MAX_TENSOR_PARALLEL_SIZE = 64
 
@@ -43,6 +45,9 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = param(None, "KV-cache budget in bytes (default: 1 GiB on the CPU)")
     gpu_memory_utilization: float = param(0.9, "fraction of free GPU memory for the KV cache when no budget is given")
     enable_prefix_caching: bool = param(True, "share the KV of identical full prompt blocks")
+    kv_cache_dtype: str = param("auto", "KV cache dtype: auto (the model's) or 8-bit floats, twice the blocks in "
+                                "the same memory (fp8 = fp8_e4m3; per-layer k/v scales from the checkpoint, "
+                                "else 1.0)", KV_CACHE_DTYPES)
     kv_events_config: dict | None = param(
         None, 'publish KV cache events to routers, vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"} (core/kv_events.py)')
@@ -68,6 +73,9 @@ class CacheConfig:
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}",
                 "enable_prefix_caching",
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                              "kv_cache_dtype")
         KVEventsConfig.from_dict(self.kv_events_config)
 
     @property

@@ -38,6 +38,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.window_of(layer_idx)
         self.logits_soft_cap: float | None = None  # Gemma 2 caps its scores
+        # An fp8 KV cache holds K / k_scale and V / v_scale (kernels.kv8); the checkpoint's, set once at load.
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
@@ -71,7 +73,7 @@ class Attention(nn.Module):
         """Rotate Q and K, write the rotated K and V into their slots; returns the rotated Q."""
         key_cache, value_cache = kv_cache
         return kernels.rotary_embedding_and_cache(positions, q, k, v, cos_sin_cache, key_cache, value_cache,
-                                                  meta.slot_mapping)
+                                                  meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
 
     def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                meta: AttentionMetadata) -> torch.Tensor:  # -> [T, Hq, D]
@@ -89,6 +91,8 @@ class Attention(nn.Module):
             meta.max_seqlen_k,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
 

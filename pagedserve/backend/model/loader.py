@@ -15,6 +15,7 @@ from torch import nn
 from pagedserve.backend.model.config import ModelArchConfig
 from pagedserve.backend.model.family import ModelFamily, Selector
 from pagedserve.backend.model.gguf_loader import load_gguf_model
+from pagedserve.backend.model.kv_scales import KVScales, apply_kv_scales, take_kv_scale
 from pagedserve.backend.model.llama import LlamaForCausalLM
 from pagedserve.backend.model.quant_formats import Scheme, scheme_from_config
 from pagedserve.backend.model.quantized import QuantizedLinear, prepare_quantized, quantize_projections
@@ -87,10 +88,14 @@ def place_checkpoint(model: nn.Module, family: ModelFamily, cfg: ModelArchConfig
                      tensors: Iterable[tuple[str, torch.Tensor]],
                      shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> Filled:
     """Copy each checkpoint tensor (through `shard`: this rank's slice of it) into the part of its parameter the
-    family names; returns what was filled, a tied lm_head counted."""
+    family names; returns what was filled, a tied lm_head counted. An fp8-KV checkpoint's K/V scales go to the
+    attention layers (the same on every rank: one per tensor)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: Filled = {}
+    kv_scales: KVScales = {}
     for name, tensor in tensors:
+        if take_kv_scale(name, tensor, kv_scales):
+            continue
         placement = family.placement(name, cfg)
         if placement is None:
             continue
@@ -109,6 +114,7 @@ def place_checkpoint(model: nn.Module, family: ModelFamily, cfg: ModelArchConfig
         _mark(filled, placement.param, placement.selector, dst.numel())
     if cfg.tie_word_embeddings:
         _mark(filled, "lm_head.weight", None, model.lm_head.weight.numel())
+    apply_kv_scales(model, kv_scales)
     return filled
 
 

@@ -86,7 +86,8 @@ class Phi3Attention(Attention):
         q = torch.cat((q_rot, q[..., r:]), dim=-1)
         k = torch.cat((k_rot, k[..., r:]), dim=-1)
         key_cache, value_cache = kv_cache
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, k_scale=self.k_scale,
+                                  v_scale=self.v_scale)
         return q
 
 

@@ -12,6 +12,7 @@ import torch
 import pagedserve
 from pagedserve import kernels
 from pagedserve.backend.core.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from pagedserve.backend.core.errors import ConfigError
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
 from pagedserve.backend.model.attention import AttentionMetadata
@@ -20,6 +21,7 @@ from pagedserve.backend.worker.lora import LoRAManager, LoRAShard
 from pagedserve.backend.worker.multimodal import EncoderRunner
 from pagedserve.backend.worker.parallel import StepPlan, TensorParallel
 from pagedserve.backend.worker.pooling import PoolSpan, StepPooler, pool_spans, token_type_ids
+from pagedserve.kernels import kv8
 
 logger = logging.getLogger(__name__)
 
@@ -125,16 +127,23 @@ class ModelRunner:
             shard = None if tp is None else LoRAShard(ModelArchConfig.from_pretrained(model_config.model), tp.rank,
                                                       tp.world_size)
             self.lora = LoRAManager(self.model, self.arch, lora_config, self.dtype, self.device, shard)
+        # Under tensor parallelism each rank holds its own heads' cache in this dtype (an encoder's stays empty).
+        self.kv_cache_dtype = kv8.cache_dtype(cache_config.kv_cache_dtype, self.dtype)
+        self._check_kv_cache_dtype(cache_config.kv_cache_dtype)
         self.num_blocks = self._num_blocks(cache_config, scheduler_config)
         if tp is not None:
             self.num_blocks = tp.agree_num_blocks(self.num_blocks)
+        self._allocate_kv_caches()
+
+    def _allocate_kv_caches(self) -> None:
+        """Every layer's K and V cache tensors, [num_blocks, block_size, Hkv, D] in the KV cache dtype."""
         shape = (self.num_blocks, self.block_size, self.arch.num_kv_heads if self.keeps_kv else 0, self.arch.head_dim)
         # Zeroed, not empty: attention reads whole blocks and masks the tail, and 0 * NaN would leak.
         self.key_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.arch.num_layers)
         ]
         self.value_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.arch.num_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(self.arch.num_layers)
         ]
         self.kv_caches = list(zip(self.key_caches, self.value_caches, strict=True))
         logger.info(
@@ -143,8 +152,25 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_bytes / 2**20,
             self.device,
-            self.dtype,
+            self.kv_cache_dtype,
         )
+
+    def _check_kv_cache_dtype(self, name: str) -> None:
+        """Refuse at start an 8-bit cache this device's kernels cannot write or read: one tiny write and
+        attention through the kernel entries, as every step runs them."""
+        if not kv8.is_fp8(torch.empty((), dtype=self.kv_cache_dtype)) or not self.keeps_kv:
+            return
+        heads, head_dim = self.arch.num_kv_heads, self.arch.head_dim
+        caches = [torch.zeros((1, self.block_size, heads, head_dim), dtype=self.kv_cache_dtype, device=self.device)
+                  for _ in range(2)]
+        kv = torch.ones((1, heads, head_dim), dtype=self.dtype, device=self.device)
+        one = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        try:
+            kernels.reshape_and_cache(kv, kv, *caches, one[:1].long())
+            kernels.paged_attention(kv, *caches, one[None, :1], one, one[1:], 1.0, 1, 1)
+        except (RuntimeError, NotImplementedError, TypeError) as error:
+            raise ConfigError(f"kv_cache_dtype {name!r} cannot be read on {self.device} with {self.dtype} "
+                              f"activations: {error}", "kv_cache_dtype") from error
 
     @functools.cached_property
     def encoder(self) -> EncoderRunner | None:
@@ -154,7 +180,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes across all layers, K and V."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.arch.num_layers * self.block_size * self.arch.num_kv_heads * self.arch.head_dim * elem
 
     def _num_blocks(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
@@ -196,7 +222,7 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         shape = (num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),) * 2
             for _ in range(self.arch.num_layers)
         ]
         positions = torch.arange(num_tokens, device=self.device)
@@ -225,6 +251,7 @@ class ModelRunner:
             if self.encoder is not None:  # the step's new images encoded; their rows replace the placeholders'
                 self.encoder.encode(scheduler_output)
                 embeds = self.encoder.inputs_embeds(scheduled, batch.input_ids)
+                batch.positions = self.encoder.positions(scheduled, batch.positions)  # M-RoPE's, for Qwen2-VL
             if self.tp is not None:
                 self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
                                               batch.meta, batch.logit_rows,
