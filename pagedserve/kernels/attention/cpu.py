@@ -12,25 +12,31 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import native
+from pagedserve.kernels import kv8, native
 from pagedserve.kernels.attention import cpu_prefill, reference
 from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
+from pagedserve.kernels.native.fp8 import cache_dtype_code
 from pagedserve.kernels.native.split import openmp_available
 
 _decode_kernel = native.Function(
     "pagedserve_decode_attention",
     [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8
-    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int],
+    + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    + [ctypes.c_int, ctypes.c_float, ctypes.c_float],
 )
+# An fp8 cache (kernels.kv8) is read in place by the native kernels (dequantized in registers), or dequantized
+# after the gather on the SDPA path.
+SUPPORTS_FP8_KV = True
 # Tests set this to run the decode kernel's portable loops where the CPU has AVX-512 (the path AVX2 CPUs take).
 PORTABLE_DECODE = False
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """True when decode_attention can serve these tensors (CPU, fp32/bf16, contiguous caches)."""
+    """True when decode_attention can serve these tensors (CPU, fp32/bf16 query, contiguous caches of its dtype
+    or fp8)."""
     return (
         native.dtype_code(query) is not None
-        and key_cache.dtype == query.dtype
+        and cache_dtype_code(key_cache, query) is not None
         and key_cache.is_contiguous()
         and native.load() is not None
     )
@@ -45,6 +51,8 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [S, Hq, D]
     mods: ScoreMods = NO_MODS,
+    k_scale: float = 1.0,  # an fp8 cache reads as stored * k_scale / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its paged context, read in place; call supports() first."""
     if native.load() is None:
@@ -67,7 +75,7 @@ def decode_attention(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, tables.stride(0),
         query.stride(0), out.stride(0), scale, window, soft_cap, native.dtype_code(query), max_parts,
-        int(PORTABLE_DECODE),
+        int(PORTABLE_DECODE), cache_dtype_code(key_cache, query), k_scale, v_scale,
     )
     if target is not None and target is not out:
         target.copy_(out)
@@ -75,13 +83,18 @@ def decode_attention(
     return out
 
 
-def _context(cache: torch.Tensor, table: torch.Tensor, begin: int, end: int) -> torch.Tensor:  # -> [Hkv, L, D]
-    """One sequence's cached tokens begin..end-1, gathered block by block (whole blocks, few copies)."""
+def _context(cache: torch.Tensor, table: torch.Tensor, begin: int, end: int, dtype: torch.dtype,
+             scale: float = 1.0) -> torch.Tensor:  # -> [Hkv, L, D]
+    """One sequence's cached tokens begin..end-1 in `dtype`, gathered block by block (whole blocks, few copies);
+    an fp8 cache is gathered as bytes and read as stored * scale (kernels.kv8)."""
     block_size = cache.shape[1]
     first = begin // block_size
     blocks = table[first : -(-end // block_size)].long()
-    rows = cache.index_select(0, blocks).flatten(0, 1)[begin - first * block_size : end - first * block_size]
-    return rows.transpose(0, 1)
+    stored = cache.view(torch.uint8) if kv8.is_fp8(cache) else cache
+    rows = stored.index_select(0, blocks).flatten(0, 1)[begin - first * block_size : end - first * block_size]
+    if stored is not cache:
+        return kv8.dequantize(rows.view(cache.dtype), scale).to(dtype).transpose(0, 1)
+    return rows.transpose(0, 1).to(dtype)
 
 
 def _prefill_chunk(
@@ -92,21 +105,23 @@ def _prefill_chunk(
     seq_len: int,
     scale: float,
     mods: ScoreMods = NO_MODS,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's k_scale, v_scale
 ) -> torch.Tensor:  # -> [q_len, Hq, D]
     """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches."""
     if cpu_prefill.preferred(query, key_cache):  # the native kernel over the block table (bf16 on AMX)
-        return cpu_prefill.prefill_attention(query, key_cache, value_cache, table, seq_len, scale, mods)
+        return cpu_prefill.prefill_attention(query, key_cache, value_cache, table, seq_len, scale, mods,
+                                             kv_scales=kv_scales)
     q_len, num_q_heads = query.shape[0], query.shape[1]
     group = num_q_heads // key_cache.shape[2]
     window = mods.sliding_window
     begin = 0 if window is None else max(0, seq_len - q_len - window + 1)
     # K/V repeated per query head: on the CPU SDPA's enable_gqa takes the slow math path, while 4-D
     # inputs of equal head counts reach the flash kernel (docs/benchmarks.md, offline throughput).
-    k = _context(key_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
-    v = _context(value_cache, table, begin, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
-    q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
     if q_len < seq_len and mods == NO_MODS and _flash_with_lse is not None:
-        return _chunk_after_prefix(query, key_cache, value_cache, table, seq_len, scale)
+        return _chunk_after_prefix(query, key_cache, value_cache, table, seq_len, scale, kv_scales)
+    k = _context(key_cache, table, begin, seq_len, query.dtype, kv_scales[0]).repeat_interleave(group, 0)[None]
+    v = _context(value_cache, table, begin, seq_len, query.dtype, kv_scales[1]).repeat_interleave(group, 0)[None]
+    q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
     if q_len == seq_len and mods == NO_MODS:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
@@ -128,6 +143,7 @@ def _chunk_after_prefix(
     table: torch.Tensor,  # [max_blocks]
     seq_len: int,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:  # -> [q_len, Hq, D]
     """A chunk after a cached prefix as two flash passes merged by their log-sum-exps.
 
@@ -139,12 +155,13 @@ def _chunk_after_prefix(
     num_kv_heads = key_cache.shape[2]
     group, prefix = num_q_heads // num_kv_heads, seq_len - q_len
     q = query.transpose(0, 1)  # [Hq, q_len, D]; heads h*group..h*group+group-1 read KV head h
-    k_old = _context(key_cache, table, 0, prefix).to(query.dtype)[None]
-    v_old = _context(value_cache, table, 0, prefix).to(query.dtype)[None]
+    k_scale, v_scale = kv_scales
+    k_old = _context(key_cache, table, 0, prefix, query.dtype, k_scale)[None]
+    v_old = _context(value_cache, table, 0, prefix, query.dtype, v_scale)[None]
     out_old, lse_old = _flash_with_lse(q.reshape(1, num_kv_heads, group * q_len, head_dim), k_old, v_old,
                                        scale=scale)[:2]
-    k_new = _context(key_cache, table, prefix, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
-    v_new = _context(value_cache, table, prefix, seq_len).to(query.dtype).repeat_interleave(group, 0)[None]
+    k_new = _context(key_cache, table, prefix, seq_len, query.dtype, k_scale).repeat_interleave(group, 0)[None]
+    v_new = _context(value_cache, table, prefix, seq_len, query.dtype, v_scale).repeat_interleave(group, 0)[None]
     out_new, lse_new = _flash_with_lse(q[None], k_new, v_new, is_causal=True, scale=scale)[:2]
     lse_old = lse_old.reshape(num_q_heads, q_len, 1)
     lse_new = lse_new.reshape(num_q_heads, q_len, 1)
@@ -157,15 +174,19 @@ def _chunk_after_prefix(
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
-    """kernels.attention.paged_attention on the CPU: native decodes, per-sequence prefill chunks."""
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """kernels.attention.paged_attention on the CPU: native decodes, per-sequence prefill chunks (an fp8 cache
+    read as stored * k_scale / v_scale)."""
     if not supports(query, key_cache):
         return reference.paged_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                         scale, max_seqlen_q, max_seqlen_k, out, sliding_window, logits_soft_cap)
+                                         scale, max_seqlen_q, max_seqlen_k, out, sliding_window, logits_soft_cap,
+                                         k_scale=k_scale, v_scale=v_scale)
     mods = ScoreMods(sliding_window, logits_soft_cap)
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     if max_seqlen_q == 1 and num_tokens == num_seqs:
-        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, mods)
+        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out, mods, k_scale,
+                                v_scale)
     result = out if out is not None else torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     lengths = seq_lens.tolist()
@@ -174,10 +195,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         rows = torch.tensor([starts[s] for s in decodes])
         index = torch.tensor(decodes)
         result[rows] = decode_attention(query[rows], key_cache, value_cache, block_tables[index], seq_lens[index],
-                                        scale, mods=mods)
+                                        scale, mods=mods, k_scale=k_scale, v_scale=v_scale)
     for s in range(num_seqs):
         begin, end = starts[s], starts[s + 1]
         if end - begin > 1:
             result[begin:end] = _prefill_chunk(query[begin:end], key_cache, value_cache, block_tables[s],
-                                               lengths[s], scale, mods)
+                                               lengths[s], scale, mods, (k_scale, v_scale))
     return result

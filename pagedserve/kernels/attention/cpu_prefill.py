@@ -15,12 +15,13 @@ import torch
 
 from pagedserve.kernels import native
 from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
+from pagedserve.kernels.native.fp8 import cache_dtype_code
 from pagedserve.kernels.native.split import RangeSplitter
 
 _kernel = native.Function(
     "pagedserve_prefill_attention",
     [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
-    + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int],
+    + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_float],
     value_errors={2: "AMX prefill attention needs AMX-BF16, a bf16 cache and head_dim a multiple of 64"},
 )
 # A work item (one KV head, ~192 stacked query rows) is tens of microseconds or more: one per thread is enough.
@@ -41,9 +42,10 @@ def amx_available() -> bool:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """True when prefill_attention can run on these tensors (CPU fp32/bf16, matching contiguous caches)."""
-    return (native.dtype_code(query) is not None and key_cache.dtype == query.dtype and key_cache.is_contiguous()
-            and native.load() is not None)
+    """True when prefill_attention can run on these tensors (CPU fp32/bf16 query, contiguous caches of its dtype
+    or fp8, widened as the tiles are packed)."""
+    return (native.dtype_code(query) is not None and cache_dtype_code(key_cache, query) is not None
+            and key_cache.is_contiguous() and native.load() is not None)
 
 
 def preferred(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -63,6 +65,7 @@ def prefill_attention(
     scale: float,
     mods: ScoreMods = NO_MODS,
     use_amx: bool | None = None,  # None: AMX where available for bf16
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's k_scale, v_scale
 ) -> torch.Tensor:  # -> [q_len, Hq, D]
     """Causal attention of one chunk over its paged context (window and soft cap as in `mods`)."""
     q_len, num_q_heads, head_dim = query.shape
@@ -78,13 +81,14 @@ def prefill_attention(
     group = num_q_heads // num_kv_heads
     query_block = max(16, _ROWS_PER_ITEM // group)
     items = num_kv_heads * -(-q_len // query_block)
-    code = native.dtype_code(query)
+    code, cache_code = native.dtype_code(query), cache_dtype_code(key_cache, query)
     window, soft_cap = mods.sliding_window or 0, mods.soft_cap or 0.0
+    k_scale, v_scale = kv_scales
 
     def run(begin: int, end: int) -> None:
         _kernel(out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), table.data_ptr(),
                 q_len, seq_len, num_q_heads, num_kv_heads, head_dim, block_size, query.stride(0), out.stride(0),
-                scale, window, soft_cap, query_block, begin, end, int(use_amx), code)
+                scale, window, soft_cap, query_block, begin, end, int(use_amx), code, cache_code, k_scale, v_scale)
 
     _split(run, items)
     return out

@@ -13,23 +13,35 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDSERVE_ATTN_AVX512 1
-#include <immintrin.h>
 constexpr bool kHaveAvx512 = true;
 #else
 constexpr bool kHaveAvx512 = false;
 #endif
+#if defined(PAGEDSERVE_ATTN_AVX512)
+#include <immintrin.h>
+#endif
 
 #include "../native/cpu_common.h"
+#include "../native/fp8.h"
 
 namespace {
 
 using pagedserve::Elem;
 using pagedserve::fast_exp;
+using pagedserve::Fp8E4M3;
+using pagedserve::Fp8E5M2;
+using pagedserve::kIsFp8;
+
+// An fp8 cache element as the kernel reads it: its value / C::kHalfUnit (what the fp16 conversion of its bits
+// gives), the power of two folded into the scales (Problem).
+template <typename C>
+inline float fp8_raw(C v) { return pagedserve::fp8_to_float(v) * (1.f / C::kHalfUnit); }
 
 constexpr int kTile = 16;  // keys per tile: one score per lane of a 512-bit register
 
@@ -42,6 +54,7 @@ struct Problem {
   int64_t num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, table_stride, query_stride, out_stride;
   float scale, soft_cap;
   int64_t window;
+  float out_scale;  // times each output row: an fp8 cache's v_scale (and its power of two), else 1
 };
 
 // Row pointers of up to kTile consecutive keys (each row: every KV head of one cache slot).
@@ -123,10 +136,18 @@ struct PortableOps {
     for (int64_t i = 0; i < p.num_q_heads * p.head_dim; ++i) out.q[i] = Elem<T>::load(query[i]);
   }
 
-  template <typename T>
-  static void load_row(const T* src, float* dst, int64_t n) {
+  template <typename C>
+  static void load_row(const C* src, float* dst, int64_t n) {
+    if constexpr (kIsFp8<C>) {
+      int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, pagedserve::fp8x8_load(src + i));
+#endif
+      for (; i < n; ++i) dst[i] = fp8_raw(src[i]);
+    } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) dst[i] = Elem<T>::load(src[i]);
+      for (int64_t i = 0; i < n; ++i) dst[i] = Elem<C>::load(src[i]);
+    }
   }
 
   // scores[qh * kTile + j] = scale * q[qh] · k[j]; lanes past the tile's count are left alone.
@@ -203,6 +224,9 @@ inline __m512 load16(const uint16_t* src, __mmask16 mask) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+// fp8 as the value / C::kHalfUnit (fp8.h).
+inline __m512 load16(const Fp8E4M3* src, __mmask16 mask) { return pagedserve::fp8x16_load(src, mask); }
+inline __m512 load16(const Fp8E5M2* src, __mmask16 mask) { return pagedserve::fp8x16_load(src, mask); }
 
 // fast_exp (cpu_common.h) on 16 lanes: the same clamp, rounding and polynomial.
 inline __m512 exp16(__m512 x) {
@@ -222,7 +246,7 @@ struct Avx512Ops {
   struct Query {
     std::vector<float> q;        // [num_q_heads, padded] fp32, zero past head_dim
     std::vector<uint16_t> qbf;   // the same in bf16 (a bf16 query as given), for vdpbf16ps
-    std::vector<float> vrows;    // a tile's values of one KV head in fp32, [kTile, padded]
+    std::vector<float> vrows;    // a tile's values (or fp8 keys) of one KV head in fp32, [kTile, padded]
     int64_t padded = 0;          // head_dim rounded up to 32
   };
 
@@ -260,10 +284,34 @@ struct Avx512Ops {
     return acc;
   }
 
+  // A tile's rows of KV head h widened to fp32 in q.vrows (one conversion for the whole query group).
+  template <typename T>
+  static void widen(Query& q, const T* const* src, int64_t offset, int64_t dim, const float** rows) {
+    for (int j = 0; j < kTile; ++j) {
+      float* dst = q.vrows.data() + j * q.padded;
+      for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, load16(src[j] + offset + d, mask16(dim - d)));
+      rows[j] = dst;
+    }
+  }
+
   template <typename T, int HEAD_DIM>
   static void scores(const Problem& p, Query& q, const Tile<T>& tile, float* scores, Prefetcher<T>& ahead) {
     const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
     const __m512 scale = _mm512_set1_ps(p.scale);
+    if constexpr (kIsFp8<T>) {  // fp8 keys widened once per KV head; fp32 products with the fp32 query
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        const float* rows[kTile];
+        widen(q, tile.keys, h * dim, dim, rows);
+        for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
+          ahead.issue(ahead.per_head);
+          __m512 parts[kTile];
+#pragma GCC unroll 16
+          for (int j = 0; j < kTile; ++j) parts[(j % 4) * 4 + j / 4] = partial_dot(q, qh, rows[j], dim);
+          _mm512_storeu_ps(scores + qh * kTile, _mm512_mul_ps(reduce16(parts), scale));
+        }
+      }
+      return;
+    }
     for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
       ahead.issue(ahead.per_head);
       const int64_t head_offset = qh / group * dim;
@@ -307,18 +355,12 @@ struct Avx512Ops {
                      Prefetcher<T>& ahead) {
     const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-      // A bf16 head is widened once into vrows and serves the whole group; fp32 rows are read in place.
+      // A bf16 or fp8 head is widened once into vrows and serves the whole group; fp32 rows are read in place.
       const float* rows[kTile];
-      for (int j = 0; j < kTile; ++j) {
-        if constexpr (sizeof(T) == 2) {
-          float* dst = q.vrows.data() + j * q.padded;
-          for (int64_t d = 0; d < dim; d += 16) {
-            _mm512_storeu_ps(dst + d, load16(tile.values[j] + h * dim + d, mask16(dim - d)));
-          }
-          rows[j] = dst;
-        } else {
-          rows[j] = reinterpret_cast<const float*>(tile.values[j]) + h * dim;
-        }
+      if constexpr (std::is_same_v<T, float>) {
+        for (int j = 0; j < kTile; ++j) rows[j] = tile.values[j] + h * dim;
+      } else {
+        widen(q, tile.values, h * dim, dim, rows);
       }
       for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
         ahead.issue(ahead.per_head);
@@ -370,8 +412,8 @@ void PortableOps::softmax(const Problem& p, int count, float* scores, State& sta
   }
 }
 
-// Attention of sequence s's query over its keys [first, last) into `state` (reset first).
-template <typename T, int HEAD_DIM, typename Ops>
+// Attention of sequence s's query (T) over its keys [first, last) in a cache of C into `state` (reset first).
+template <typename T, typename C, int HEAD_DIM, typename Ops>
 void attend(const Problem& p, int64_t s, int64_t first, int64_t last, typename Ops::Query& q, State& state) {
   Ops::prepare(p, static_cast<const T*>(p.query) + s * p.query_stride, q);
   state.reset(p.num_q_heads, p.head_dim);
@@ -380,8 +422,8 @@ void attend(const Problem& p, int64_t s, int64_t first, int64_t last, typename O
   std::vector<float> heap;
   float* weights = scores;
   if (p.num_q_heads > 64) heap.resize(p.num_q_heads * kTile), weights = heap.data();
-  Tile<T> tile;
-  Prefetcher<T> ahead;
+  Tile<C> tile;
+  Prefetcher<C> ahead;
   int64_t ahead_pos = first;
   for (int i = 0; i < kAhead && ahead_pos < last; ++i) ahead_pos = fill_tile(p, table, ahead_pos, last, ahead.tile);
   for (int64_t pos = first; pos < last;) {
@@ -389,17 +431,17 @@ void attend(const Problem& p, int64_t s, int64_t first, int64_t last, typename O
     const bool active = ahead_pos < last;
     if (active) ahead_pos = fill_tile(p, table, ahead_pos, last, ahead.tile);
     ahead.start(p, active);
-    Ops::template scores<T, HEAD_DIM>(p, q, tile, weights, ahead);
+    Ops::template scores<C, HEAD_DIM>(p, q, tile, weights, ahead);
     Ops::softmax(p, tile.count, weights, state);
-    Ops::template values<T, HEAD_DIM>(p, q, tile, weights, state.acc.data(), ahead);
+    Ops::template values<C, HEAD_DIM>(p, q, tile, weights, state.acc.data(), ahead);
   }
 }
 
-// Output rows acc / sum in the cache dtype.
+// Output rows acc / sum (times out_scale) in the query's dtype.
 template <typename T>
 void write_out(const Problem& p, const State& state, T* out) {
   for (int64_t qh = 0; qh < p.num_q_heads; ++qh) {
-    const float inv = 1.f / state.sum[qh];
+    const float inv = p.out_scale / state.sum[qh];
     for (int64_t d = 0; d < p.head_dim; ++d) {
       out[qh * p.head_dim + d] = Elem<T>::store(state.acc[qh * p.head_dim + d] * inv);
     }
@@ -444,7 +486,7 @@ struct Split {
 // Part `part` of the split: sequences wholly in its share are written to `out`; a cut one goes to piece slot
 // 2 * part (the share's first sequence, begun by an earlier part) or 2 * part + 1 (its last, ended by a later
 // part), its sequence number in piece_seqs (-1: slot unused).
-template <typename T, int HEAD_DIM, typename Ops>
+template <typename T, typename C, int HEAD_DIM, typename Ops>
 void decode_part(const Problem& p, const Split& split, int64_t part, T* out, float* pieces, int64_t* piece_seqs) {
   if (split.cut) piece_seqs[2 * part] = piece_seqs[2 * part + 1] = -1;
   typename Ops::Query q;
@@ -454,7 +496,7 @@ void decode_part(const Problem& p, const Split& split, int64_t part, T* out, flo
     const auto [begin, end] = split.share(part, offset, span);
     if (begin >= end) continue;
     const int64_t skipped = p.seq_lens[s] - span;  // keys before the window
-    attend<T, HEAD_DIM, Ops>(p, s, skipped + begin - offset, skipped + end - offset, q, state);
+    attend<T, C, HEAD_DIM, Ops>(p, s, skipped + begin - offset, skipped + end - offset, q, state);
     if (begin == offset && end == offset + span) {
       write_out(p, state, out + s * p.out_stride);
     } else {
@@ -465,29 +507,29 @@ void decode_part(const Problem& p, const Split& split, int64_t part, T* out, flo
   }
 }
 
-template <typename T, int HEAD_DIM, typename Ops>
+template <typename T, typename C, int HEAD_DIM, typename Ops>
 void decode_parts(const Problem& p, const Split& split, T* out, float* pieces, int64_t* piece_seqs) {
 #pragma omp parallel for schedule(static, 1) num_threads(static_cast<int>(split.parts)) if (split.parts > 1)
   for (int64_t part = 0; part < split.parts; ++part) {
-    decode_part<T, HEAD_DIM, Ops>(p, split, part, out, pieces, piece_seqs);
+    decode_part<T, C, HEAD_DIM, Ops>(p, split, part, out, pieces, piece_seqs);
   }
 }
 
-template <typename T, typename Ops>
+template <typename T, typename C, typename Ops>
 void dispatch_head_dim(const Problem& p, const Split& split, T* out, float* pieces, int64_t* piece_seqs) {
   switch (p.head_dim) {
-    case 64: return decode_parts<T, 64, Ops>(p, split, out, pieces, piece_seqs);
-    case 128: return decode_parts<T, 128, Ops>(p, split, out, pieces, piece_seqs);
-    case 32: return decode_parts<T, 32, Ops>(p, split, out, pieces, piece_seqs);
-    case 96: return decode_parts<T, 96, Ops>(p, split, out, pieces, piece_seqs);
-    default: return decode_parts<T, 0, Ops>(p, split, out, pieces, piece_seqs);
+    case 64: return decode_parts<T, C, 64, Ops>(p, split, out, pieces, piece_seqs);
+    case 128: return decode_parts<T, C, 128, Ops>(p, split, out, pieces, piece_seqs);
+    case 32: return decode_parts<T, C, 32, Ops>(p, split, out, pieces, piece_seqs);
+    case 96: return decode_parts<T, C, 96, Ops>(p, split, out, pieces, piece_seqs);
+    default: return decode_parts<T, C, 0, Ops>(p, split, out, pieces, piece_seqs);
   }
 }
 
 // Combines the pieces of each cut sequence by their maxima (log-sum-exp) and writes its output row.
 template <typename T>
 void merge_pieces(T* out, const float* pieces, const int64_t* piece_seqs, int64_t num_pieces, int64_t heads,
-                  int64_t dim, int64_t out_stride) {
+                  int64_t dim, int64_t out_stride, float out_scale) {
   const int64_t size = heads * (dim + 2);
   std::vector<float> acc(dim);
   for (int64_t i = 0; i < num_pieces; ++i) {
@@ -506,43 +548,68 @@ void merge_pieces(T* out, const float* pieces, const int64_t* piece_seqs, int64_
         sum += piece[heads + qh] * weight;
         for (int64_t d = 0; d < dim; ++d) acc[d] += piece[2 * heads + qh * dim + d] * weight;
       }
-      for (int64_t d = 0; d < dim; ++d) out[s * out_stride + qh * dim + d] = Elem<T>::store(acc[d] / sum);
+      const float inv = out_scale / sum;  // 1 / sum without an fp8 cache, as write_out
+      for (int64_t d = 0; d < dim; ++d) out[s * out_stride + qh * dim + d] = Elem<T>::store(acc[d] * inv);
     }
   }
+}
+
+// The fp8 caches' parameters: the scales of the contract, and the power of two of the kernel's fp16 reading.
+template <typename C>
+void fold_scales(Problem& p, float k_scale, float v_scale) {
+  if constexpr (kIsFp8<C>) {
+    p.scale *= k_scale * C::kHalfUnit;  // scores: q · (stored * k_scale), soft cap after
+    p.out_scale = v_scale * C::kHalfUnit;
+  }
+}
+
+template <typename T, typename C>
+void decode(Problem& p, int64_t max_parts, int portable, float k_scale, float v_scale, T* rows) {
+  fold_scales<C>(p, k_scale, v_scale);
+  const Split split(p, max_parts);
+  std::vector<float> pieces(split.cut ? 2 * split.parts * piece_size(p) : 0);
+  std::vector<int64_t> piece_seqs(split.cut ? 2 * split.parts : 0);
+#if defined(PAGEDSERVE_ATTN_AVX512)
+  if (!portable) dispatch_head_dim<T, C, Avx512Ops>(p, split, rows, pieces.data(), piece_seqs.data());
+#endif
+  if (portable || !kHaveAvx512) dispatch_head_dim<T, C, PortableOps>(p, split, rows, pieces.data(), piece_seqs.data());
+  merge_pieces(rows, pieces.data(), piece_seqs.data(), static_cast<int64_t>(piece_seqs.size()), p.num_q_heads,
+               p.head_dim, p.out_stride, p.out_scale);
 }
 
 }  // namespace
 
 extern "C" {
 
-// Returns 0 on success, 1 for an unsupported dtype. Strides are in elements; caches are contiguous
-// [num_blocks, block_size, num_kv_heads, head_dim]; query/out rows are [num_q_heads, head_dim] contiguous.
-// window <= 0: no sliding window; soft_cap <= 0: no soft-capping. Up to max_parts threads of the OpenMP team
-// share the keys (Split); portable != 0 uses the portable loops even where AVX-512 was compiled in.
+// Returns 0 on success, 1 for an unsupported dtype (or cache dtype). Strides are in elements; caches are
+// contiguous [num_blocks, block_size, num_kv_heads, head_dim]; query/out rows are [num_q_heads, head_dim]
+// contiguous. window <= 0: no sliding window; soft_cap <= 0: no soft-capping. Up to max_parts threads of the
+// OpenMP team share the keys (Split); portable != 0 uses the portable loops even where AVX-512 was compiled in.
+// cache_dtype (fp8.h): the query's dtype code, or an fp8 format read as stored * k_scale (keys) and
+// stored * v_scale (values).
 int pagedserve_decode_attention(void* out, const void* query, const void* key_cache, const void* value_cache,
                                 const int32_t* block_tables, const int64_t* seq_lens, int64_t num_seqs,
                                 int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                                 int64_t block_size, int64_t block_table_stride, int64_t query_stride,
                                 int64_t out_stride, float scale, int64_t window, float soft_cap, int dtype,
-                                int64_t max_parts, int portable) {
-  const Problem problem{query, key_cache, value_cache, block_tables, seq_lens, num_seqs, num_q_heads,
-                        num_kv_heads, head_dim, block_size, block_table_stride, query_stride, out_stride,
-                        scale, soft_cap, window};
-  const Split split(problem, max_parts);
-  std::vector<float> pieces(split.cut ? 2 * split.parts * piece_size(problem) : 0);
-  std::vector<int64_t> piece_seqs(split.cut ? 2 * split.parts : 0);
-  return pagedserve::with_dtype(dtype, [&](auto tag) {
+                                int64_t max_parts, int portable, int cache_dtype, float k_scale, float v_scale) {
+  Problem problem{query, key_cache, value_cache, block_tables, seq_lens, num_seqs, num_q_heads,
+                  num_kv_heads, head_dim, block_size, block_table_stride, query_stride, out_stride,
+                  scale, soft_cap, window, 1.f};
+  int bad = 0;
+  const int status = pagedserve::with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    T* rows = static_cast<T*>(out);
-#if defined(PAGEDSERVE_ATTN_AVX512)
-    if (!portable) dispatch_head_dim<T, Avx512Ops>(problem, split, rows, pieces.data(), piece_seqs.data());
-#endif
-    if (portable || !kHaveAvx512) {
-      dispatch_head_dim<T, PortableOps>(problem, split, rows, pieces.data(), piece_seqs.data());
-    }
-    merge_pieces(rows, pieces.data(), piece_seqs.data(), static_cast<int64_t>(piece_seqs.size()), num_q_heads,
-                 head_dim, out_stride);
+    const int cache_status = pagedserve::with_cache_dtype(cache_dtype, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      if constexpr (kIsFp8<C> || std::is_same_v<C, T>) {
+        decode<T, C>(problem, max_parts, portable, k_scale, v_scale, static_cast<T*>(out));
+      } else {
+        bad = 1;
+      }
+    });
+    bad |= cache_status;
   });
+  return status | bad;
 }
 
 }  // extern "C"

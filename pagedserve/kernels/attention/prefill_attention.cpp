@@ -5,14 +5,18 @@
 // so each K/V tile is read once for the whole group. Causal within the chunk; window > 0 keeps the last
 // `window` keys of each query; soft_cap > 0 applies cap * tanh(s / cap).
 // Where the compiler targets AMX-BF16 (and the kernel may use it), bf16 caches run Q·K and P·V on AMX tiles;
-// otherwise (fp32, or a CPU without AMX) the same loops run in fp32 vector code.
+// otherwise (fp32, or a CPU without AMX) the same loops run in fp32 vector code. An fp8 cache is widened as its
+// tiles are packed (to bf16 for AMX: every fp8 value is a bf16 one), k_scale folded into the scale and v_scale
+// into the output.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../native/cpu_common.h"
+#include "../native/fp8.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -25,6 +29,17 @@ namespace {
 
 using pagedserve::Elem;
 using pagedserve::fast_exp;
+using pagedserve::kIsFp8;
+
+// A cache element's value in fp32 (an fp8 one before its scale).
+template <typename C>
+inline float load_elem(C v) {
+  if constexpr (kIsFp8<C>) {
+    return pagedserve::fp8_to_float(v);
+  } else {
+    return Elem<C>::load(v);
+  }
+}
 
 constexpr int64_t kKeys = 128;  // keys per tile: 4 AMX K-steps of 32 (fewer rescales of the output rows)
 constexpr int64_t kRows = 16;  // query rows per score block: one AMX tile's rows
@@ -40,6 +55,7 @@ struct Problem {
   int64_t window;
   float soft_cap;
   int64_t group, query_block;
+  float out_scale;  // times each output row: an fp8 cache's v_scale, else 1
 };
 
 // KV head `head`, chunk tokens first..first+count-1 (positions pos0..), keys key_begin..key_end-1.
@@ -52,6 +68,7 @@ struct Workspace {
   std::vector<float> qf, kt, vf, scores, probs, o, m, l;
   std::vector<uint16_t> qb, pb;
   std::vector<uint32_t> kp, vp;
+  std::vector<uint16_t> widened;  // an fp8 tile's two K and two V rows in bf16 (AMX packing)
   std::vector<int64_t> row_pos;  // position of each stacked row's query (no division per row and tile)
 };
 
@@ -154,7 +171,7 @@ void store_output(const Problem& pb, const Item& it, const Workspace& ws) {
     const int64_t token = it.first + r / pb.group, q_head = it.head * pb.group + r % pb.group;
     T* dst = static_cast<T*>(pb.out) + token * pb.out_stride + q_head * d;
     const float* src = ws.o.data() + r * d;
-    const float inv = 1.f / ws.l[r];
+    const float inv = pb.out_scale / ws.l[r];  // 1 / l without an fp8 cache
     for (int64_t c = 0; c < d; ++c) dst[c] = Elem<T>::store(src[c] * inv);
   }
 }
@@ -169,7 +186,7 @@ void reset_state(const Problem& pb, const Item& it, Workspace& ws) {
 }
 
 // The fp32 path: K packed transposed ([D][kKeys], so a row's scores are one vector loop over keys), V as rows.
-template <typename T>
+template <typename C>
 void pack_tile_f32(const Problem& pb, const Item& it, int64_t k0, Workspace& ws) {
   const int64_t d = pb.head_dim;
   for (int64_t j = 0; j < kKeys; ++j) {
@@ -180,15 +197,15 @@ void pack_tile_f32(const Problem& pb, const Item& it, int64_t k0, Workspace& ws)
       std::memset(vrow, 0, d * sizeof(float));
       continue;
     }
-    const T* krow = cache_row<T>(pb.key_cache, pb, pos, it.head);
-    const T* vsrc = cache_row<T>(pb.value_cache, pb, pos, it.head);
-    for (int64_t c = 0; c < d; ++c) ws.kt[c * kKeys + j] = Elem<T>::load(krow[c]);
+    const C* krow = cache_row<C>(pb.key_cache, pb, pos, it.head);
+    const C* vsrc = cache_row<C>(pb.value_cache, pb, pos, it.head);
+    for (int64_t c = 0; c < d; ++c) ws.kt[c * kKeys + j] = load_elem(krow[c]);
 #pragma omp simd
-    for (int64_t c = 0; c < d; ++c) vrow[c] = Elem<T>::load(vsrc[c]);
+    for (int64_t c = 0; c < d; ++c) vrow[c] = load_elem(vsrc[c]);
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_item_f32(const Problem& pb, const Item& it, Workspace& ws) {
   const int64_t d = pb.head_dim;
   reset_state(pb, it, ws);
@@ -202,7 +219,7 @@ void run_item_f32(const Problem& pb, const Item& it, Workspace& ws) {
     for (int64_t c = 0; c < d; ++c) ws.qf[r * d + c] = Elem<T>::load(src[c]);
   }
   for (int64_t k0 = it.key_begin / kKeys * kKeys; k0 < it.key_end; k0 += kKeys) {
-    pack_tile_f32<T>(pb, it, k0, ws);
+    pack_tile_f32<C>(pb, it, k0, ws);
     for (int64_t r0 = 0; r0 < it.padded; r0 += kRows) {
       if (!block_reaches(pb, it, r0, k0)) continue;
       float* s = ws.scores.data();
@@ -326,20 +343,38 @@ bool softmax_block_avx512(const Problem& pb, const Item& it, int64_t r0, int64_t
 
 // K as AMX's B operand of S = Q K^T: element (dim pair c, key j) = K[j][2c..2c+1] as one uint32, [D/2][kKeys].
 // V as the B operand of O = P V: element (key pair j, dim c) = (V[2j][c], V[2j+1][c]), [kKeys/2][D].
+// A cache row as bf16: a bf16 cache's in place, an fp8 one's widened into `buf` (exactly: fp8 values are bf16 ones).
+template <typename C>
+const uint16_t* bf16_row(const C* row, int64_t d, uint16_t* buf) {
+  if constexpr (kIsFp8<C>) {
+    const __m512 unit = _mm512_set1_ps(C::kHalfUnit);
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512 x = _mm512_mul_ps(pagedserve::fp8x16_load(row + c, 0xffff), unit);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + c), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+    return buf;
+  } else {
+    return row;
+  }
+}
+
+template <typename C>
 void pack_tile_amx(const Problem& pb, const Item& it, int64_t k0, Workspace& ws) {
   const int64_t d = pb.head_dim, pairs = d / 2;
   static const uint16_t zeros[512] = {};
+  if constexpr (kIsFp8<C>) ws.widened.resize(4 * d);
   for (int64_t j = 0; j < kKeys; j += 2) {
     const uint16_t* rows[2][2];
     for (int64_t e = 0; e < 2; ++e) {
       const int64_t pos = k0 + j + e;
       const bool valid = pos >= it.key_begin && pos < it.key_end;
-      rows[0][e] = valid ? cache_row<uint16_t>(pb.key_cache, pb, pos, it.head) : zeros;
-      rows[1][e] = valid ? cache_row<uint16_t>(pb.value_cache, pb, pos, it.head) : zeros;
+      uint16_t* buf = ws.widened.data() + 2 * e * d;
+      rows[0][e] = valid ? bf16_row(cache_row<C>(pb.key_cache, pb, pos, it.head), d, buf) : zeros;
+      rows[1][e] = valid ? bf16_row(cache_row<C>(pb.value_cache, pb, pos, it.head), d, buf + d) : zeros;
       if (pos + kKeys < it.key_end) {  // the next tile's rows (every line), while this one's are packed
-        const char* k_next = reinterpret_cast<const char*>(cache_row<uint16_t>(pb.key_cache, pb, pos + kKeys, it.head));
-        const char* v_next = reinterpret_cast<const char*>(cache_row<uint16_t>(pb.value_cache, pb, pos + kKeys, it.head));
-        for (int64_t line = 0; line < pb.head_dim * 2; line += 64) {
+        const char* k_next = reinterpret_cast<const char*>(cache_row<C>(pb.key_cache, pb, pos + kKeys, it.head));
+        const char* v_next = reinterpret_cast<const char*>(cache_row<C>(pb.value_cache, pb, pos + kKeys, it.head));
+        for (int64_t line = 0; line < pb.head_dim * static_cast<int64_t>(sizeof(C)); line += 64) {
           __builtin_prefetch(k_next + line);
           __builtin_prefetch(v_next + line);
         }
@@ -414,6 +449,7 @@ void accumulate_amx(const Problem& pb, int64_t r0, Workspace& ws) {
   }
 }
 
+template <typename C>
 void run_item_amx(const Problem& pb, const Item& it, Workspace& ws) {
   const int64_t d = pb.head_dim;
   reset_state(pb, it, ws);
@@ -426,7 +462,7 @@ void run_item_amx(const Problem& pb, const Item& it, Workspace& ws) {
     std::memcpy(ws.qb.data() + r * d, query_row<uint16_t>(pb, it, r), d * sizeof(uint16_t));
   }
   for (int64_t k0 = it.key_begin / kKeys * kKeys; k0 < it.key_end; k0 += kKeys) {
-    pack_tile_amx(pb, it, k0, ws);
+    pack_tile_amx<C>(pb, it, k0, ws);
     for (int64_t r0 = 0; r0 < it.padded; r0 += kRows) {
       if (!block_reaches(pb, it, r0, k0)) continue;
       scores_amx(pb, r0, ws);
@@ -439,7 +475,7 @@ void run_item_amx(const Problem& pb, const Item& it, Workspace& ws) {
 }
 #endif
 
-template <typename T>
+template <typename T, typename C>
 void run_items(const Problem& pb, int64_t begin, int64_t end, bool amx) {
   thread_local Workspace ws;
 #ifdef PAGEDSERVE_PREFILL_AMX
@@ -447,14 +483,14 @@ void run_items(const Problem& pb, int64_t begin, int64_t end, bool amx) {
     if (amx) {
       TileConfig config;
       _tile_loadconfig(&config);
-      for (int64_t i = begin; i < end; ++i) run_item_amx(pb, make_item(pb, i), ws);
+      for (int64_t i = begin; i < end; ++i) run_item_amx<C>(pb, make_item(pb, i), ws);
       _tile_release();
       return;
     }
   }
 #endif
   (void)amx;
-  for (int64_t i = begin; i < end; ++i) run_item_f32<T>(pb, make_item(pb, i), ws);
+  for (int64_t i = begin; i < end; ++i) run_item_f32<T, C>(pb, make_item(pb, i), ws);
 }
 
 }  // namespace
@@ -472,20 +508,37 @@ int pagedserve_prefill_attention_amx() {
 
 // One chunk of q_len queries whose last sits at seq_len - 1, work items begin..end-1 of
 // num_kv_heads * ceil(q_len / query_block). Strides in elements; caches contiguous
-// [num_blocks, block_size, num_kv_heads, head_dim]. Returns 0, 1 for an unsupported dtype, 2 when AMX was
-// asked for and is not available or head_dim is not a multiple of 64.
+// [num_blocks, block_size, num_kv_heads, head_dim] of the query's dtype or fp8 (cache_dtype, fp8.h: read as
+// stored * k_scale and stored * v_scale). Returns 0, 1 for an unsupported dtype, 2 when AMX was asked for and is
+// not available or head_dim is not a multiple of 64.
 int pagedserve_prefill_attention(void* out, const void* query, const void* key_cache, const void* value_cache,
                                  const int32_t* table, int64_t q_len, int64_t seq_len, int64_t num_q_heads,
                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t query_stride,
                                  int64_t out_stride, float scale, int64_t window, float soft_cap,
-                                 int64_t query_block, int64_t begin, int64_t end, int use_amx, int dtype) {
+                                 int64_t query_block, int64_t begin, int64_t end, int use_amx, int dtype,
+                                 int cache_dtype, float k_scale, float v_scale) {
   if (use_amx && (pagedserve_prefill_attention_amx() == 0 || head_dim % 64 != 0 || head_dim > 512 || dtype != pagedserve::kBFloat16)) {
     return 2;
   }
+  const bool fp8 = cache_dtype == pagedserve::kCacheE4M3 || cache_dtype == pagedserve::kCacheE5M2;
   const Problem pb{query,    key_cache, value_cache, out,        table,      q_len,    seq_len,
-                   num_q_heads, num_kv_heads, head_dim, block_size, query_stride, out_stride, scale,
-                   window,   soft_cap,  num_q_heads / num_kv_heads, query_block};
-  return pagedserve::with_dtype(dtype, [&](auto tag) { run_items<decltype(tag)>(pb, begin, end, use_amx != 0); });
+                   num_q_heads, num_kv_heads, head_dim, block_size, query_stride, out_stride,
+                   fp8 ? scale * k_scale : scale, window, soft_cap, num_q_heads / num_kv_heads, query_block,
+                   fp8 ? v_scale : 1.f};
+  int bad = 0;
+  const int status = pagedserve::with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int cache_status = pagedserve::with_cache_dtype(cache_dtype, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      if constexpr (kIsFp8<C> || std::is_same_v<C, T>) {
+        run_items<T, C>(pb, begin, end, use_amx != 0);
+      } else {
+        bad = 1;
+      }
+    });
+    bad |= cache_status;
+  });
+  return status | bad;
 }
 
 }  // extern "C"

@@ -3,9 +3,11 @@
 // rotation), so they match the reference to the last bit in most elements and to one bf16 ulp elsewhere.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../native/cpu_common.h"
+#include "../native/fp8.h"
 #include "../native/parallel.h"
 
 // Full-width AVX-512 vectors where the CPU has them: these loops are compute-bound (exp, bf16 rounding).
@@ -60,28 +62,47 @@ void rotary(T* q_out, T* k_out, const T* q, const T* k, const int64_t* positions
   });
 }
 
+// One head row into the cache: as is where the cache has the activations' type, else quantized (fp8).
+template <typename T, typename C>
+inline void store_row(C* dst, const T* src, int64_t n, float scale) {
+  if constexpr (pagedserve::kIsFp8<C>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = pagedserve::fp8_store<C>(Elem<T>::load(src[i]), scale);
+  } else {
+    std::memcpy(dst, src, n * sizeof(T));
+  }
+}
+
 // Rotary embedding of q into q_out, and of k straight into its KV-cache slot with v beside it (the
-// cache is [num_blocks * block_size slots, kv_heads, head_dim]); a slot of -1 writes nothing.
-template <typename T>
+// cache is [num_blocks * block_size slots, kv_heads, head_dim]); a slot of -1 writes nothing. An fp8 cache
+// (C) gets the rotated key as rounded in T, then quantized, exactly as the unfused rotary + cache write.
+template <typename T, typename C>
 void rotary_and_cache(T* q_out, const T* q, const T* k, const T* v, const int64_t* positions, const float* cos_sin,
-                      const int64_t* slots, T* key_cache, T* value_cache, int64_t tokens, int64_t q_heads,
-                      int64_t kv_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride) {
+                      const int64_t* slots, C* key_cache, C* value_cache, int64_t tokens, int64_t q_heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+                      float k_scale, float v_scale) {
   const int64_t half = head_dim / 2;
   const int64_t slot_size = kv_heads * head_dim;
   const int64_t heads = tokens * (q_heads + kv_heads);
   pagedserve::parallel_rows(tokens, heads, kParallelHeads, [&](int64_t begin, int64_t end) {
     std::vector<float> cos(half), sin(half);
+    std::vector<T> k_row(pagedserve::kIsFp8<C> ? head_dim : 0);
     for (int64_t t = begin; t < end; ++t) {
       load_cos_sin<T>(cos_sin + positions[t] * head_dim, cos.data(), sin.data(), half);
       for (int64_t h = 0; h < q_heads; ++h) {
         rotate(q_out + (t * q_heads + h) * head_dim, q + t * q_stride + h * head_dim, cos.data(), sin.data(), half);
       }
       if (slots[t] < 0) continue;
-      T* k_slot = key_cache + slots[t] * slot_size;
+      C* k_slot = key_cache + slots[t] * slot_size;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(k_slot + h * head_dim, k + t * k_stride + h * head_dim, cos.data(), sin.data(), half);
+        const T* k_head = k + t * k_stride + h * head_dim;
+        if constexpr (pagedserve::kIsFp8<C>) {
+          rotate(k_row.data(), k_head, cos.data(), sin.data(), half);
+          store_row(k_slot + h * head_dim, k_row.data(), head_dim, k_scale);
+        } else {
+          rotate(k_slot + h * head_dim, k_head, cos.data(), sin.data(), half);
+        }
       }
-      std::memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, slot_size * sizeof(T));
+      store_row(value_cache + slots[t] * slot_size, v + t * v_stride, slot_size, v_scale);
     }
   });
 }
@@ -100,17 +121,30 @@ int pagedserve_rotary(void* q_out, void* k_out, const void* q, const void* k, co
   });
 }
 
+// cache_dtype (fp8.h CacheDType): the query's dtype code, or an fp8 format (k_scale / v_scale then divide).
+// Returns 0, or 1 for an unsupported dtype or a cache of the other 16/32-bit type.
 int pagedserve_rotary_and_cache(void* q_out, const void* q, const void* k, const void* v, const int64_t* positions,
                                 const float* cos_sin, const int64_t* slots, void* key_cache, void* value_cache,
                                 int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t q_stride, int64_t k_stride, int64_t v_stride, int dtype) {
-  return pagedserve::with_dtype(dtype, [&](auto tag) {
+                                int64_t q_stride, int64_t k_stride, int64_t v_stride, int dtype, int cache_dtype,
+                                float k_scale, float v_scale) {
+  int bad = 0;
+  const int outer = pagedserve::with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    rotary_and_cache(static_cast<T*>(q_out), static_cast<const T*>(q), static_cast<const T*>(k),
-                     static_cast<const T*>(v), positions, cos_sin, slots, static_cast<T*>(key_cache),
-                     static_cast<T*>(value_cache), tokens, q_heads, kv_heads, head_dim, q_stride, k_stride,
-                     v_stride);
+    const int cache_status = pagedserve::with_cache_dtype(cache_dtype, [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      if constexpr (pagedserve::kIsFp8<C> || std::is_same_v<C, T>) {
+        rotary_and_cache(static_cast<T*>(q_out), static_cast<const T*>(q), static_cast<const T*>(k),
+                         static_cast<const T*>(v), positions, cos_sin, slots, static_cast<C*>(key_cache),
+                         static_cast<C*>(value_cache), tokens, q_heads, kv_heads, head_dim, q_stride, k_stride,
+                         v_stride, k_scale, v_scale);
+      } else {
+        bad = 1;
+      }
+    });
+    bad |= cache_status;
   });
+  return outer | bad;
 }
 
 }  // extern "C"
