@@ -47,6 +47,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _widen(x, DOT_DTYPE: tl.constexpr):
+    """A K/V tile in the dot's dtype; fp8 through fp16, which holds both formats exactly (sm_90 converts pairs)."""
+    if x.dtype.is_fp8():
+        x = x.to(tl.float16)
+    return x.to(DOT_DTYPE)
+
+
+@triton.jit
 def _attend_range(
     q,  # [BLOCK_M, HEAD_PAD] query tile, already in DOT_DTYPE
     acc,  # [BLOCK_M, HEAD_PAD] fp32 running numerator
@@ -93,8 +101,8 @@ def _attend_range(
         in_block = (key_pos % BLOCK_SIZE).to(tl.int64)
         k_off = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
         v_off = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        k = _widen(tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), DOT_DTYPE)
+        v = _widen(tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if SOFT_CAP:
