@@ -393,6 +393,46 @@ def make_tiny_llava(path: str | Path, vision: str = "clip", *, text_arch: str = 
     return path
 
 
+QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's placeholder in a prompt
+
+
+def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random-weight Qwen2_5_VLForConditionalGeneration (a 4-block ViT with 14-pixel patches, windows
+    of 2x2 merged patches, full attention in blocks 1 and 3; M-RoPE sections [2, 3, 3]) with transformers'
+    Qwen2-VL image processor (Pillow; images kept between 56x56 and 224x224 pixels) and the tiny tokenizer with
+    Qwen's vision tokens. processor_config.json names Qwen2_5_VLProcessor as the hub's folders do."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_VL_TOKENS})
+    tokenizer.save_pretrained(path)
+    _ensure_chat_template_in_config(path)
+    # Saved as the hub's "Qwen2VLImageProcessor", which loads as this Pillow one where torchvision is missing.
+    transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, temporal_patch_size=2,
+                                          merge_size=2).save_pretrained(path)
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    token = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in zip(
+        ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_VL_TOKENS,
+        strict=True)}
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
+           (("bos_token_id", BOS_TOKEN), ("eos_token_id", EOS_TOKEN), ("pad_token_id", END_OF_TEXT))}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                use_sliding_window=False, **ids,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3])
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token, **ids)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    _widen_init(model, random_norms=True)
+    _save(model, path, None)
+    return path
+
 def tiny_image(width: int, height: int, seed: int = 0) -> Any:
     """A random RGB PIL image of that size."""
     import numpy as np

@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.multimodal import ImageInput
+from pagedserve.backend.engine.image_processors import load_processor, per_image
 
 FIELD = "images"
 
@@ -41,9 +42,7 @@ class ImageProcessor:
         """transformers' AutoProcessor of the model folder, from local files only."""
         with self._lock:
             if self._processor is None:
-                from transformers import AutoProcessor
-
-                self._processor = AutoProcessor.from_pretrained(self.model_path, local_files_only=True)
+                self._processor = load_processor(self.model_path)
             return self._processor
 
     def process_async(self, prompt: object, images: object, add_special_tokens: bool = True) -> Future:
@@ -72,9 +71,8 @@ class ImageProcessor:
         token_ids = out["input_ids"][0].tolist()
         spans = placeholder_spans(token_ids, self.image_token_id, _image_lengths(processor, pictures, token_ids,
                                                                                  self.image_token_id))
-        pixels = out["pixel_values"]
-        inputs = tuple(ImageInput(_content_hash(pixels[i]), offset, length, {"pixel_values": pixels[i : i + 1]})
-                       for i, (offset, length) in enumerate(spans))
+        inputs = tuple(ImageInput(_content_hash(data), offset, length, data)
+                       for data, (offset, length) in zip(per_image(out, len(spans)), spans, strict=True))
         return ProcessedPrompt(token_ids, inputs)
 
     def close(self) -> None:
@@ -149,11 +147,13 @@ def _image_lengths(processor: Any, pictures: list[Any], token_ids: Sequence[int]
         return [sum(runs) // len(pictures)] * len(pictures)
 
 
-def _content_hash(pixel_values: Any) -> str:
-    """The processed pixels' digest (shape and dtype included): what the encoder sees names the image."""
+def _content_hash(data: dict[str, Any]) -> str:
+    """The digest of an image's processed tensors (shapes and dtypes included): what the encoder sees names the
+    image."""
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{tuple(pixel_values.shape)}:{pixel_values.dtype}".encode())
-    digest.update(pixel_values.contiguous().numpy().tobytes())
+    for name, tensor in sorted(data.items()):
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -206,10 +206,15 @@ class LlamaForCausalLM(nn.Module):
         """Run every layer over the step's flat tokens, writing their K/V into the cache."""
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
+        positions, cos_sin_cache = self.rope_inputs(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, self.cos_sin_cache, meta)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, cos_sin_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def rope_inputs(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the positions the layers index the rotary table at, the table); M-RoPE's family mixes a table a step."""
+        return positions, self.cos_sin_cache
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         """The input embeddings of the step's tokens."""

@@ -38,6 +38,16 @@ class EncoderRunner:
         self.num_encoder_calls += 1
         self.num_images_encoded += len(images)
 
+    def positions(self, scheduled: Sequence[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+        """The step's positions for the model: M-RoPE's [3, T] (a model with `mrope_positions`, Qwen2-VL) when a
+        request of the step has images, each request's rows from its images alone (so decode, chunks, preemption
+        and prefix hits agree); else `positions` as they are (a text token's three positions are equal)."""
+        if not hasattr(self.model, "mrope_positions") or not any(item.request.mm_inputs for item in scheduled):
+            return positions
+        rows = [self.model.mrope_positions(item.request.mm_inputs, item.num_computed_tokens, item.num_scheduled_tokens)
+                for item in scheduled]
+        return torch.cat(rows, dim=1).to(positions.device)
+
     def inputs_embeds(self, scheduled: Sequence[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's input embeddings [T, H] (`scheduled` in the batch's row order), image rows in place of
         their placeholders'; None when the step reaches no image."""
