@@ -171,8 +171,10 @@ class TritonPythonModel:
     def _describe_cache(self, engine) -> None:
         """The KV cache the budget bought, in the server's log and as vllm:cache_config_info."""
         labels = cache_config_labels(engine.cache_config, engine.runner.num_blocks)
+        runner = engine.runner  # Python logging never reaches serve's output from the stub: Triton's log does
         pb_utils.Logger.log_info(f"pagedserve: KV cache: {labels['num_gpu_blocks']} blocks of {labels['block_size']} "
-                                 f"tokens, dtype {labels['cache_dtype']}")
+                                 f"tokens ({runner.num_blocks * runner.block_bytes / 2**20:.1f} MiB), dtype "
+                                 f"{labels['cache_dtype']} ({str(runner.kv_cache_dtype).removeprefix('torch.')})")
         self._metrics.describe_cache(labels)
 
     def _engine_main(self, settings: ModelSettings) -> None:
