@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from pagedserve.testing_pooling import make_tiny_encoder
+from pagedserve.testing_pooling import make_tiny_encoder, make_tiny_qwen3_reranker, qwen3_reranker_pair
 from tests.support.servers import CPU_FP32, RunningTriton, triton_running
 
 st = pytest.importorskip("sentence_transformers")
@@ -177,3 +177,27 @@ def test_cli_rerank_prints_documents_best_first(reranker, capsys):
     expected = st.CrossEncoder(str(running.model_path), device="cpu").predict([("quick fox", d) for d in DOCS])
     assert [int(r[1]) for r in rows] == list(np.argsort(-expected)[:3])
     assert [r[2] for r in rows] == [DOCS[int(r[1])] for r in rows]
+
+
+def test_qwen3_reranker_ranks_by_the_yes_probability_over_http(tmp_path_factory):
+    import torch
+    import transformers
+
+    work = tmp_path_factory.mktemp("qwen3-reranker")
+    path = make_tiny_qwen3_reranker(work / "tiny-qwen3-reranker")
+    query, docs = qwen3_reranker_pair("quick fox", "")[0], [qwen3_reranker_pair("", d)[1] for d in DOCS]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    with torch.no_grad():
+        logits = [model(tokenizer(query + d, return_tensors="pt")["input_ids"]).logits[0, -1, [no, yes]] for d in docs]
+    expected = torch.stack(logits).softmax(-1)[:, 1].numpy()
+    with triton_running(path, work, {**PARAMS, "max_model_len": "256"}, llm_only=True) as running, \
+            running.openai_shim("--model-name", path.name) as url:
+        answer = httpx.post(f"{url}/rerank", json={"model": path.name, "query": query, "documents": docs})
+        assert answer.status_code == 200, answer.text
+        results = answer.json()["results"]
+        assert [r["index"] for r in results] == list(np.argsort(-expected))
+        np.testing.assert_allclose([r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5)
+        scores = httpx.post(f"{url}/score", json={"model": path.name, "text_1": query, "text_2": docs}).json()
+        np.testing.assert_allclose([s["score"] for s in scores["data"]], expected, atol=1e-5)
