@@ -61,10 +61,24 @@ def _image_only_processor(model_path: str) -> Any | None:
 
 def per_image(out: Any, count: int) -> list[dict[str, Any]]:
     """Each of the `count` images' tensors: pixel_values [N, ...] one row an image, or (Qwen2-VL's patches of
-    every image in one [patches, values] tensor) split by image_grid_thw's patch counts, with its grid row."""
+    every image in one [patches, values] tensor) split by image_grid_thw's patch counts, with its grid row; or
+    each tile's where the processor tiles its images (Idefics3's [1, tiles, C, S, S]): more entries than images."""
     pixels = out["pixel_values"]
+    if pixels.dim() == 5:
+        return _tiles(pixels, out.get("pixel_attention_mask"))
     grids = out.get("image_grid_thw")
     if grids is None:
         return [{"pixel_values": pixels[i : i + 1]} for i in range(count)]
     chunks = pixels.split(grids.prod(-1).tolist())
     return [{"pixel_values": chunk, "image_grid_thw": grids[i : i + 1]} for i, chunk in enumerate(chunks)]
+
+
+def _tiles(pixels: Any, masks: Any) -> list[dict[str, Any]]:
+    """One prompt's tiles, each [1, C, S, S]; a tile with padding (a part of its mask off, which the tile
+    encoders here do not mask) is refused naming images."""
+    from pagedserve.backend.core.errors import InvalidRequestError
+
+    if masks is not None and not bool(masks.bool().all()):
+        raise InvalidRequestError("an image tile with padding is not supported (keep the processor's image "
+                                  "splitting on)", "images")
+    return [{"pixel_values": pixels[0, i : i + 1]} for i in range(pixels.shape[1])]

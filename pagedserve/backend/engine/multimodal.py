@@ -69,10 +69,16 @@ class ImageProcessor:
         except (ValueError, OSError) as error:
             raise InvalidRequestError(f"the images could not be processed: {error}", FIELD) from error
         token_ids = out["input_ids"][0].tolist()
-        spans = placeholder_spans(token_ids, self.image_token_id, _image_lengths(processor, pictures, token_ids,
-                                                                                 self.image_token_id))
+        parts = per_image(out, len(pictures))
+        # A tiled image (Idefics3's tiles, text between) is one ImageInput a tile, each tile its own run of tokens.
+        lengths = _image_lengths(processor, pictures, token_ids, self.image_token_id) if len(parts) == len(
+            pictures) else None
+        spans = placeholder_spans(token_ids, self.image_token_id, lengths)
+        if len(spans) != len(parts):
+            raise InvalidRequestError(f"the prompt's image tokens make {len(spans)} runs for {len(parts)} image "
+                                      "tiles", FIELD)
         inputs = tuple(ImageInput(_content_hash(data), offset, length, data)
-                       for data, (offset, length) in zip(per_image(out, len(spans)), spans, strict=True))
+                       for data, (offset, length) in zip(parts, spans, strict=True))
         return ProcessedPrompt(token_ids, inputs)
 
     def close(self) -> None:
