@@ -3,16 +3,18 @@
 #
 #   bash bench/gpu_check.sh            on the GPU machine, from the repository root; results under $OUT
 #   bash bench/gpu_check.sh --dry-run  anywhere: tiny sizes on the CPU under TRITON_INTERPRET=1
-#   GPU_CHECK_PARTS="tp" bash bench/gpu_check.sh   only the named parts (default: all five)
+#   GPU_CHECK_PARTS="tp" bash bench/gpu_check.sh   only the named parts (default: all six)
 #
 # correctness covers every Triton kernel against its torch reference, the W8A16 / W4A16 quantized GEMM
-# (pagedserve/kernels/quant_linear) included, decode and prefill rows, each also timed against bf16 F.linear. tp runs
+# (pagedserve/kernels/quant_linear) included, decode and prefill rows, each also timed against bf16 F.linear. kv8
+# (bench/gpu_kv8.py) checks the fp8 KV cache kernels (write bytes, attention on e4m3 / e5m2 caches) and times fp8
+# against bf16 decode. tp runs
 # bench/tp_gpu.py: one engine on one GPU against one split over two with NCCL (skipped with fewer than 2 GPUs;
 # its dry run is two CPU ranks over gloo).
 # Writes $OUT/gpu_check.json (every figure), $OUT/gpu_check.log (the run's output) and $OUT/env.log.
 # $OUT defaults to bench/results/gpu_check (dry run: a temporary folder). Needs python3 with torch and
 # triton; pagedserve need not be installed. Each part has its own time limit so the whole run ends
-# within 8 minutes; a part that fails or runs out of time is recorded and the others still run.
+# within 9 minutes; a part that fails or runs out of time is recorded and the others still run.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -51,11 +53,11 @@ fi
 cat "$OUT/env.log"
 
 status=0
-PARTS=" ${GPU_CHECK_PARTS:-correctness decode prefill engine tp} "
-# part name, time limit in seconds: the first four 440 s in all (480 s with every kill grace, inside 8
-# minutes); tp is its own 150 s, so a machine with 2 GPUs runs it as a second call (GPU_CHECK_PARTS=tp)
-# when the first would not fit.
-for spec in correctness:170 decode:80 prefill:80 engine:110 tp:150; do
+PARTS=" ${GPU_CHECK_PARTS:-correctness decode prefill engine kv8 tp} "
+# part name, time limit in seconds: the first five 540 s in all (590 s with every kill grace, inside the
+# device's 10 minutes a call); tp is its own 150 s, so a machine with 2 GPUs runs it as a second call
+# (GPU_CHECK_PARTS=tp) when the first would not fit.
+for spec in correctness:170 decode:80 prefill:80 engine:110 kv8:100 tp:150; do
     part="${spec%%:*}"
     limit="${spec##*:}"
     [[ "$PARTS" == *" $part "* ]] || continue

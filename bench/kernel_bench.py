@@ -134,17 +134,22 @@ def _aot_launches() -> list:
     bf16, cpu = torch.bfloat16, torch.device("cpu")
     modules = (attention_triton, cache_triton, rope_triton, norm_triton, activation_triton)
     with record_launches(*modules) as launches:
-        # (query heads, KV heads, head size): Llama-3-8B, SmolLM2-135M, Qwen2-0.5B, head size 80, 256.
-        for hq, hkv, d in ((32, 8, 128), (9, 3, 64), (14, 2, 64), (32, 32, 80), (16, 8, 256)):
-            for lens, splits in (([(1, 4096)] * 2, None), ([(1, 4096)] * 2, 8), ([(64, 1024), (1, 900)], None),
-                                 ([(512, 512), (1, 900)], None)):
-                pa, _ = paged_batch(lens, hq, hkv, d, 16, bf16, cpu)
-                attention_triton.paged_attention(*pa, num_splits=splits)
-            q, k = torch.randn(4, hq, d, dtype=bf16), torch.randn(4, hkv, d, dtype=bf16)
+        # (query heads, KV heads, head size): Llama-3-8B, SmolLM2-135M, Qwen2-0.5B, head size 80, 256; each on a
+        # bf16 and an fp8 (e4m3) KV cache, Llama-3-8B's also on e5m2.
+        for i, (hq, hkv, d) in enumerate(((32, 8, 128), (9, 3, 64), (14, 2, 64), (32, 32, 80), (16, 8, 256))):
+            for cache_dtype in (bf16, torch.float8_e4m3fn, torch.float8_e5m2)[: 3 if i == 0 else 2]:
+                fp8 = {} if cache_dtype == bf16 else {"k_scale": 0.5, "v_scale": 0.25}
+                for lens, splits in (([(1, 4096)] * 2, None), ([(1, 4096)] * 2, 8), ([(64, 1024), (1, 900)], None),
+                                     ([(512, 512), (1, 900)], None)):
+                    pa, _ = paged_batch(lens, hq, hkv, d, 16, bf16, cpu)
+                    attention_triton.paged_attention(pa[0], pa[1].to(cache_dtype), pa[2].to(cache_dtype), *pa[3:],
+                                                     num_splits=splits, **fp8)
+                k = torch.randn(4, hkv, d, dtype=bf16)
+                cache = torch.zeros(8, 16, hkv, d, dtype=cache_dtype)
+                cache_triton.reshape_and_cache(k, k, cache, cache, torch.arange(4), **fp8)
+                cache_triton.copy_blocks([cache], [cache], [(0, 1)])
+            q = torch.randn(4, hq, d, dtype=bf16)
             rope_triton.rotary_embedding(torch.arange(4), q, k, torch.randn(64, d, dtype=bf16))
-            cache = torch.zeros(8, 16, hkv, d, dtype=bf16)
-            cache_triton.reshape_and_cache(k, k, cache, cache, torch.arange(4))
-            cache_triton.copy_blocks([cache], [cache], [(0, 1)])
         for hidden, inter in ((4096, 14336), (576, 1536)):
             x = torch.randn(4, hidden, dtype=bf16)
             norm_triton.rms_norm(x, torch.ones(hidden, dtype=bf16), 1e-5, x)
@@ -197,7 +202,7 @@ def main() -> int:
     gpu = sub.add_parser("gpu-check", help="the GPU check (bench/gpu_check.sh runs it)")
     gpu.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.log")
     gpu.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU under TRITON_INTERPRET=1")
-    gpu.add_argument("--parts", default="correctness,decode,prefill,engine")
+    gpu.add_argument("--parts", default="correctness,decode,prefill,engine,kv8")
     gpu.add_argument("--model", default=None, help="model folder for the engine part (default: SmolLM2 if found)")
     gpu.add_argument("--peak-gbps", type=float, default=H200_PEAK_GBPS)
     aot = sub.add_parser("aot", help="compile every kernel configuration for a GPU target, no GPU needed")
@@ -221,7 +226,7 @@ def main() -> int:
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "gpu_check.log").write_text("\n".join(LOG) + "\n")
     log(f"wrote {out_dir / 'gpu_check.json'}; all_correct={report['all_correct']}")
-    failed = report["all_correct"] is False or any(isinstance(v, dict) and "error" in v for v in report.values())
+    failed = False in (report["all_correct"], report["kv8_all_correct"]) or any(isinstance(v, dict) and "error" in v for v in report.values())
     return 1 if failed else 0
 
 

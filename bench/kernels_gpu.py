@@ -16,6 +16,7 @@ from pathlib import Path
 import kernel_timing
 import torch
 import torch.nn.functional as F
+from gpu_kv8 import kv8_checks, kv8_decode_time
 from kernel_timing import bench_ms, log, paged_batch
 
 H200_PEAK_GBPS = 4800.0  # vendor datasheet HBM3e bandwidth
@@ -429,8 +430,13 @@ def run_gpu_check(args: argparse.Namespace) -> dict:
         _section(report, "prefill", lambda: gpu_prefill_vs_sdpa(device, dry))
     if "engine" in parts:
         _section(report, "engine", lambda: engine_throughput(device, dry, args.model, out_dir))
+    if "kv8" in parts:  # the 8-bit KV cache: its own part, so its compiles cannot push the others past their limit
+        _section(report, "kv8_correctness", lambda: kv8_checks(device, dry, _check))
+        _section(report, "kv8_decode", lambda: kv8_decode_time(device, dry, args.peak_gbps))
     checks = report.get("correctness")
     report["all_correct"] = all(c["ok"] for c in checks) if isinstance(checks, list) else None
+    kv8 = report.get("kv8_correctness")
+    report["kv8_all_correct"] = all(c["ok"] for c in kv8) if isinstance(kv8, list) else None
     decode = report.get("decode")
     if isinstance(decode, list) and decode:
         report["decode_target_70pct_met"] = all(r["heuristic_pct_of_peak"] >= 70 for r in decode[:2])

@@ -295,3 +295,21 @@ def test_fp8_kernels_compile_for_sm90_without_spills():
     for config in configs:
         assert config["stack_bytes"] == 0, config  # no register spills
         assert config["shared_bytes"] <= 232448, config  # 227 KB per block on sm_90
+
+
+@pytest.mark.slow
+def test_the_gpu_checks_kv8_part_passes_as_its_dry_run(tmp_path):
+    # bench/gpu_check.sh's kv8 part on tiny sizes under the interpreter: the wiring a GPU session will run.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PAGEDSERVE_KERNELS": "triton"}
+    subprocess.run([sys.executable, "kernel_bench.py", "gpu-check", "--dry-run", "--parts", "kv8", "--out",
+                    str(tmp_path)], check=True, env=env, cwd=bench, timeout=600, capture_output=True)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["kv8_all_correct"] is True and len(report["kv8_correctness"]) == 8
+    assert [row["batch"] for row in report["kv8_decode"]] == [4]
