@@ -105,8 +105,8 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
-        self.shape = (int(cfg.get("in_channels", 3)), int(cfg.get("temporal_patch_size", 2)),
-                      int(cfg["patch_size"]), int(cfg["patch_size"]))
+        channels = int(cfg.get("in_channels", cfg.get("in_chans", 3)))  # (the hub's configs say in_chans)
+        self.shape = (channels, int(cfg.get("temporal_patch_size", 2)), int(cfg["patch_size"]), int(cfg["patch_size"]))
         self.hidden = int(cfg["hidden_size"])
         self.proj = nn.Conv3d(self.shape[0], self.hidden, kernel_size=self.shape[1:], stride=self.shape[1:],
                               bias=False)
