@@ -397,11 +397,12 @@ QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's placeholder in a prompt
 
 
-def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
+def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0, *, qwen2: bool = False) -> Path:
     """Save a tiny random-weight Qwen2_5_VLForConditionalGeneration (a 4-block ViT with 14-pixel patches, windows
     of 2x2 merged patches, full attention in blocks 1 and 3; M-RoPE sections [2, 3, 3]) with transformers'
     Qwen2-VL image processor (Pillow; images kept between 56x56 and 224x224 pixels) and the tiny tokenizer with
-    Qwen's vision tokens. processor_config.json names Qwen2_5_VLProcessor as the hub's folders do."""
+    Qwen's vision tokens. processor_config.json names Qwen2_5_VLProcessor as the hub's folders do. `qwen2`: a
+    Qwen2VLForConditionalGeneration instead (its tower: no windows, LayerNorms, a two-layer MLP)."""
     import torch
     import transformers
 
@@ -414,7 +415,8 @@ def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
     # Saved as the hub's "Qwen2VLImageProcessor", which loads as this Pillow one where torchvision is missing.
     transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, temporal_patch_size=2,
                                           merge_size=2).save_pretrained(path)
-    (path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    processor_class = "Qwen2VLProcessor" if qwen2 else "Qwen2_5_VLProcessor"
+    (path / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}))
     token = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in zip(
         ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_VL_TOKENS,
         strict=True)}
@@ -426,9 +428,13 @@ def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0) -> Path:
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6})
     vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3])
-    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token, **ids)
+    if qwen2:
+        vision = dict(depth=4, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+    prefix = "Qwen2VL" if qwen2 else "Qwen2_5_VL"
+    config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision, **token, **ids)
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     _widen_init(model, random_norms=True)
     _save(model, path, None)
     return path

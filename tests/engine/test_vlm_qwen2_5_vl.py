@@ -162,3 +162,28 @@ def test_config_reads_hub_layout_and_mrope_sections(qwen_path: Path) -> None:
     hub["rope_scaling"]["mrope_section"] = [2, 3, 4]
     with pytest.raises(UnsupportedModelError, match="mrope_section"):
         ModelArchConfig.from_dict(hub)
+
+
+def test_qwen2_vl_features_and_chunked_greedy_tokens_equal_transformers(tmp_path: Path) -> None:
+    """Qwen2-VL: the tower without windows (LayerNorms, a two-layer MLP), the same M-RoPE decoder."""
+    path = make_tiny_qwen2_5_vl(tmp_path / "qwen2-vl", seed=3, qwen2=True)
+    processor = load_processor(str(path))
+    assert isinstance(processor, transformers.Qwen2VLProcessor)
+    reference = transformers.Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    out = processor.image_processor(images=IMAGES, return_tensors="pt")
+    grids = out["image_grid_thw"]
+    chunks = out["pixel_values"].split(grids.prod(-1).tolist())
+    ours = load_model(path, torch.float32, torch.device("cpu"), 256)
+    with torch.no_grad():
+        theirs = reference.model.get_image_features(out["pixel_values"], grids).pooler_output
+        mine = ours.encode_images([{"pixel_values": c, "image_grid_thw": grids[i : i + 1]}
+                                   for i, c in enumerate(chunks)])
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    expected = []
+    for prompt, images in PROMPTS:
+        inputs = processor(text=prompt, images=images, return_tensors="pt")
+        generated = reference.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)
+        expected.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
+    assert _run(_engine(path, max_num_batched_tokens=8), PROMPTS) == expected

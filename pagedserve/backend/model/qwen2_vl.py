@@ -1,4 +1,4 @@
-"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration): the windowed vision transformer and patch merger of
+"""Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) and Qwen2-VL: the (windowed) vision transformer and patch merger of
 `vision/qwen2_5_vit.py` beside a Qwen2 decoder whose rotary embedding is M-RoPE: a token has three positions
 (time, row, column), each rotating its own section of the head's frequencies. Text tokens have three equal
 positions; an image's tokens sit on its grid of merged patches from the position after the text before it, and
@@ -121,4 +121,12 @@ class Qwen2VLFamily(ModelFamily):
         return super().placement(name, cfg)
 
 
-FAMILIES = {"Qwen2_5_VLForConditionalGeneration": Qwen2VLFamily(Qwen2VLArchConfig, Qwen2_5_VLForConditionalGeneration)}
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL: the same decoder, M-RoPE and merger; its vision config (embed_dim) picks the tower without
+    windows, LayerNorms and a two-layer MLP."""
+
+
+FAMILIES = {
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLFamily(Qwen2VLArchConfig, Qwen2_5_VLForConditionalGeneration),
+    "Qwen2VLForConditionalGeneration": Qwen2VLFamily(Qwen2VLArchConfig, Qwen2VLForConditionalGeneration),
+}

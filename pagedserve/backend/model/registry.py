@@ -32,6 +32,7 @@ _FAMILY_MODULES = {
     "Qwen3ForSequenceClassification": "seq_classifier",
     "LlavaForConditionalGeneration": "llava",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Idefics3ForConditionalGeneration": "idefics3",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_FAMILY_MODULES))

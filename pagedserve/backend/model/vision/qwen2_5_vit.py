@@ -6,13 +6,14 @@ language model's width. Several images run in one pass, each attending only with
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.backend.model.vision.encoder import activation
+from pagedserve.backend.model.vision.encoder import VisionMLP, activation
 
 
 class VisionRMSNorm(nn.Module):
@@ -76,11 +77,12 @@ class VisionBlock(nn.Module):
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
-        hidden = int(cfg["hidden_size"])
-        self.norm1 = VisionRMSNorm(hidden)
-        self.norm2 = VisionRMSNorm(hidden)
+        hidden, qwen2 = int(cfg["hidden_size"]), cfg["qwen2_vl"]
+        self.norm1 = nn.LayerNorm(hidden, eps=1e-6) if qwen2 else VisionRMSNorm(hidden)
+        self.norm2 = nn.LayerNorm(hidden, eps=1e-6) if qwen2 else VisionRMSNorm(hidden)
         self.attn = WindowAttention(hidden, int(cfg["num_heads"]))
-        self.mlp = VisionSwiGLU(hidden, int(cfg["intermediate_size"]), cfg.get("hidden_act", "silu"))
+        mlp = VisionMLP if qwen2 else VisionSwiGLU
+        self.mlp = mlp(hidden, int(cfg["intermediate_size"]), cfg.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -90,10 +92,10 @@ class VisionBlock(nn.Module):
 class PatchMerger(nn.Module):
     """mlp(norm(x) grouped merge_size**2 patches at a time): GELU between two linears."""
 
-    def __init__(self, out_hidden: int, hidden: int, merge_size: int):
+    def __init__(self, out_hidden: int, hidden: int, merge_size: int, layer_norm: bool):
         super().__init__()
         self.width = hidden * merge_size**2
-        self.ln_q = VisionRMSNorm(hidden)
+        self.ln_q = nn.LayerNorm(hidden, eps=1e-6) if layer_norm else VisionRMSNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,23 +123,26 @@ class Qwen25VisionTransformer(nn.Module):
 
     def __init__(self, cfg: dict[str, Any]):
         super().__init__()
+        cfg = _normalised(cfg)
         self.merge = int(cfg.get("spatial_merge_size", 2))
         self.patch_size = int(cfg["patch_size"])
+        self.windowed = not cfg["qwen2_vl"]
         self.window_size = int(cfg.get("window_size", 112))
-        self.full_blocks = set(cfg.get("fullatt_block_indexes", ()))
+        self.full_blocks = set(cfg.get("fullatt_block_indexes", ()) if self.windowed else range(int(cfg["depth"])))
         head_dim = int(cfg["hidden_size"]) // int(cfg["num_heads"])
         theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
         self.rotary = head_dim // 2  # half the head for rows, half for columns
         self.theta = theta
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(int(cfg["depth"])))
-        self.merger = PatchMerger(int(cfg["out_hidden_size"]), int(cfg["hidden_size"]), self.merge)
+        self.merger = PatchMerger(int(cfg["out_hidden_size"]), int(cfg["hidden_size"]), self.merge, cfg["qwen2_vl"])
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Merged tokens [sum(t*h*w) / merge**2, out_hidden] of images whose patches (grid t, h, w) are
         concatenated in `pixels`."""
         unit = self.merge**2
-        order, windows = self._windows(grids)
+        order, windows = self._windows(grids) if self.windowed else (torch.arange(sum(map(math.prod, grids)) // unit),
+                                                                     [])
         images = [0]
         for t, h, w in grids:
             images += [images[-1] + h * w] * t  # each frame attends within itself
@@ -181,3 +186,15 @@ class Qwen25VisionTransformer(nn.Module):
                         bounds.append(bounds[-1] + window.numel() * self.merge**2)
             first += t * gh * gw
         return torch.cat(order), bounds
+
+
+def _normalised(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The vision config in Qwen2.5-VL's keys, `qwen2_vl` telling Qwen2-VL's tower apart: there embed_dim is the
+    tower's width, hidden_size the merger's output and mlp_ratio the MLP's, with LayerNorms, a two-layer MLP
+    (quick_gelu) and full attention in every block."""
+    if "embed_dim" not in cfg:
+        return {**cfg, "qwen2_vl": False}
+    width = int(cfg["embed_dim"])
+    return {**cfg, "qwen2_vl": True, "hidden_size": width, "out_hidden_size": int(cfg["hidden_size"]),
+            "intermediate_size": int(width * float(cfg.get("mlp_ratio", 4))),
+            "hidden_act": cfg.get("hidden_act", "quick_gelu")}
