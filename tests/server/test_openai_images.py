@@ -45,6 +45,16 @@ def test_markers_become_the_models_image_token(tmp_path):
     assert with_placeholders("no images", tmp_path / "missing") == "no images"
 
 
+@pytest.mark.parametrize(("model_type", "placeholder"), [
+    ("qwen2_5_vl", "<|vision_start|><|image_pad|><|vision_end|>"), ("qwen2_vl", "<|vision_start|><|image_pad|><|vision_end|>"),
+    ("idefics3", "<image>"), ("llama", None)])
+def test_families_without_a_processor_image_token_take_their_templates_placeholder(tmp_path, model_type,
+                                                                                   placeholder):
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "SomeProcessor"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert image_placeholder(str(tmp_path)) == placeholder
+
+
 def test_a_model_without_an_image_token_refuses_images(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     assert image_placeholder(str(tmp_path)) is None

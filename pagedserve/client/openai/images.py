@@ -61,15 +61,27 @@ def with_placeholders(prompt: str, model_dir: str | Path) -> str:
     return prompt.replace(IMAGE_MARKER, placeholder)
 
 
+# What the chat templates of families whose processor configs name no image token render for an image part.
+_TEMPLATE_PLACEHOLDERS = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "idefics3": "<image>",
+}
+
+
 @functools.cache
 def image_placeholder(model_dir: str) -> str | None:
-    """The model processor's image token (processor_config.json, else tokenizer_config.json); None without."""
+    """The model processor's image token (processor_config.json, else tokenizer_config.json), else what its
+    family's chat template renders for an image (by config.json's model_type); None without."""
     for name in ("processor_config.json", "tokenizer_config.json"):
         config = Path(model_dir) / name
         if config.is_file():
             token = json.loads(config.read_text()).get("image_token")
             if isinstance(token, str) and token:
                 return token
+    config = Path(model_dir) / "config.json"
+    if config.is_file():
+        return _TEMPLATE_PLACEHOLDERS.get(json.loads(config.read_text()).get("model_type"))
     return None
 
 
