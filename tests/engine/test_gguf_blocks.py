@@ -74,10 +74,13 @@ def test_data_that_does_not_fill_the_shape_is_refused():
 
 
 @pytest.mark.skipif(native.load() is None, reason="no native CPU kernels (no compiler)")
-# Q4_K: 4-bit integers, an int8 scale and min step per 32 and two fp16 per 256 (the file: 4.5); Q6_K: int8 integers,
-# an int8 step per 16 and an fp16 per 256 (the file: 6.5625); Q8_0: int8 and an fp16 per 32, as the file.
-@pytest.mark.parametrize(("kind", "bits_per_weight"), [("Q4_K", 4.625), ("Q6_K", 8.5625), ("Q8_0", 8.5),
-                                                       ("Q2_K", 5.125), ("IQ4_XS", 8.3125)])
+# Q4_K: 4-bit integers, an int8 scale and min step per 32 and two fp16 per 256 (the file: 4.5); Q6_K: 6-bit codes,
+# an int8 step per 16 and an fp16 per 256 (as the file); Q8_0: int8 and an fp16 per 32, as the file; Q5_0: 5-bit
+# codes and an fp16 per 32 (as the file); Q5_K: 5-bit codes with Q4_K's scales (the file: 5.5); Q3_K: int4 codes
+# (its -4..3) and an int8 step per 16 (the file: 3.4375).
+@pytest.mark.parametrize(("kind", "bits_per_weight"), [("Q4_K", 4.625), ("Q6_K", 6.5625), ("Q8_0", 8.5),
+                                                       ("Q2_K", 5.125), ("IQ4_XS", 8.3125), ("Q5_0", 5.5),
+                                                       ("Q5_K", 5.625), ("Q3_K", 4.5625)])
 def test_a_prepared_weight_is_held_once_in_the_native_form(kind, bits_per_weight):
     """Integers, scales and offsets live only in the native GEMM's tiles once prepared (the K-quants' scales as
     their int8 steps times an fp16 per super-block, Q8_0's d as fp16), and still dequantize exactly."""

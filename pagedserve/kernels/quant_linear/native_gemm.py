@@ -4,6 +4,9 @@ The weight is packed once into tiles of 16 output rows, k-major inside a tile (o
 int4: one 32-bit word per row and 8 k, its nibbles in NIBBLE_K's order), scales and offsets beside it per tile and
 group: as int8 steps times an fp16 per super-block where the weight
 carries that factoring (GGUF K-quants), else fp16 where that holds them exactly, else fp32.
+An int8 weight whose integers span at most 16, 32 or 64 values (GGUF's Q3_K, Q5_0, Q5_1, Q5_K, Q6_K) is held as
+4-, 5- or 6-bit codes q - bias: int4 words of the low nibbles and, for 5 and 6 bits, a word per row of the high
+bits per chunk of 32 or 16 k (HIGH_BITS_AT), which the kernel unpacks in registers.
 """
 
 from __future__ import annotations
@@ -22,11 +25,18 @@ TILE = 16
 # quant_gemm.cpp): a 16-bit shift by 4i then gives the pair (2i, 2i + 1) in each word's halves.
 NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)
 _NIBBLE_OF_K = tuple(NIBBLE_K.index(k) for k in range(8))
+# Narrow codes: code bits -> k per chunk (int4: per word); the high bits of a chunk's k (its index kk) sit in the
+# chunk's high word at bit HIGH_BITS_AT[bits][kk] (high_pos in quant_gemm.cpp).
+CHUNK_K = {4: 8, 5: 32, 6: 16}
+HIGH_BITS_AT = {bits: tuple((kk % 2) * 16 + (4 * (kk // 8) + kk % 8 // 2) * (bits - 4) for kk in range(CHUNK_K[bits]))
+                for bits in (5, 6)}
+# Whether int8 weights of a narrow span are packed as narrow codes (False: as int8, the layout before them).
+NARROW_CODES = True
 _gemm = native.Function(
     "pagedserve_quant_gemm",
-    [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_int],
-    {2: "native quantized GEMM: bits must be 4 or 8",
-     3: "native quantized GEMM: K must be whole groups (int4: groups of a multiple of 8)",
+    [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 10 + [ctypes.c_int],
+    {2: "native quantized GEMM: bits must be 4, 5, 6 or 8 (with a bias that keeps the values int8)",
+     3: "native quantized GEMM: K must be whole groups, of whole words or chunks (8 k for 4 bits, 32 for 5, 16 for 6)",
      4: "native quantized GEMM: scale steps need whole super-blocks of groups"},
 )
 # How the tiles hold scales and offsets (ParamsKind in quant_gemm.cpp).
@@ -38,9 +48,11 @@ _DTYPE_CODES = {torch.float32: native.dtype_code(torch.empty(0)),
 
 
 class NativePacked(NamedTuple):
-    """The packed integers [tiles, K, 16] (int8) or [tiles, K / 8, 16, 4] (int4 words), per-tile scales/offsets [tiles, groups, 16] (fp32, fp16 or int8
-    steps) with, for steps, their fp16 per super-block [tiles, groups / per_super, 16], and the kernel's per-weight
-    arguments (pointers and sizes) worked out once."""
+    """The packed codes [tiles, K, 16] (int8), [tiles, K / 8, 16, 4] (int4 words) or [tiles, chunks, words + 1, 16,
+    4] (5 and 6 bits: a chunk's int4 words, then its high word), per-tile scales/offsets [tiles, groups, 16] (fp32,
+    fp16 or int8 steps) with, for steps, their fp16 per super-block [tiles, groups / per_super, 16], the codes'
+    bits and bias (value = code + bias), and the kernel's per-weight arguments (pointers and sizes) worked out
+    once."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -48,12 +60,15 @@ class NativePacked(NamedTuple):
     supers: tuple[torch.Tensor | None, torch.Tensor | None]  # scales', offsets' (STEPS_TIMES_HALF only)
     kind: int
     per_super: int
+    bits: int
+    bias: int
     weight_args: tuple[int, ...]  # q, scales, offsets, scale super, offset super pointers; n, k, group_size, bits,
-    # kind, per_super
+    # kind, per_super, bias
 
 
 def fits(weight: QuantizedWeight) -> bool:
-    """True when the native kernel serves this layout (whole groups; int4 groups of whole words) and it loads."""
+    """True when the native kernel serves this layout (whole groups; int4 groups of whole words; int8 ones, held as
+    narrow codes only where their groups are whole chunks) and it loads."""
     k, size = weight.in_features, weight.group_size
     whole = k % size == 0 and (weight.bits == 8 or size % 8 == 0)
     return whole and weight.device.type == "cpu" and native.load() is not None
@@ -74,13 +89,28 @@ def _params(scales: torch.Tensor, offsets: torch.Tensor | None) -> tuple[torch.T
     return tiled[0], (tiled[1] if offsets is not None else None)
 
 
+def code_bits(weight: QuantizedWeight, q: torch.Tensor) -> tuple[int, int]:
+    """(bits, bias) of the codes the kernel holds `weight`'s integers `q` in: the fewest bits whose chunks its groups
+    fill that hold every q - bias (bias: the least q), else 8 (int8, bias 0)."""
+    if weight.bits == 4:
+        return 4, 0
+    low, high = (int(q.min()), int(q.max())) if q.numel() else (0, 0)
+    for bits, chunk in CHUNK_K.items():
+        if NARROW_CODES and high - low < 1 << bits and weight.group_size % chunk == 0:
+            return bits, low
+    return 8, 0
+
+
 def pack(weight: QuantizedWeight) -> NativePacked:
     """The native layout of `weight` (call fits() first)."""
     q = weight.int_values()
-    if weight.bits == 8:
+    bits, bias = code_bits(weight, q)
+    if bits == 8:
         packed = _tiles(q.to(torch.int8))
+    elif bits == 4:
+        packed = _int4_words((q - bias).to(torch.uint8))
     else:
-        packed = _int4_words(q.to(torch.uint8))
+        packed = _narrow_chunks((q - bias).to(torch.uint8), bits)
     factors = weight.factors
     if factors is not None:
         scales, offsets = _tiles(factors.scale_steps), _optional_tiles(factors.offset_steps)
@@ -91,8 +121,8 @@ def pack(weight: QuantizedWeight) -> NativePacked:
         supers, kind, per_super = (None, None), int(scales.dtype == torch.float16), 1
     pointers = (packed, scales, offsets, *supers)
     args = (*(0 if t is None else t.data_ptr() for t in pointers), weight.out_features, weight.in_features,
-            weight.group_size, weight.bits, kind, per_super)
-    return NativePacked(packed, scales, offsets, supers, kind, per_super, args)
+            weight.group_size, bits, kind, per_super, bias)
+    return NativePacked(packed, scales, offsets, supers, kind, per_super, bits, bias, args)
 
 
 def _int4_words(q: torch.Tensor) -> torch.Tensor:
@@ -103,6 +133,20 @@ def _int4_words(q: torch.Tensor) -> torch.Tensor:
     return _tiles(words.flatten(1)).view(-1, q.shape[1] // 8, 4, TILE).transpose(2, 3).contiguous()
 
 
+def _narrow_chunks(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N, K] codes below 2^bits -> [tiles, chunks, words + 1, 16, 4] bytes: per tile and chunk of CHUNK_K[bits] k,
+    the low nibbles' int4 words, then one word per row holding each k's high bits at HIGH_BITS_AT[bits]."""
+    n, k = codes.shape
+    chunk = CHUNK_K[bits]
+    words = _int4_words(codes & 15)  # [tiles, K / 8, 16, 4]
+    words = words.view(words.shape[0], k // chunk, chunk // 8, TILE, 4)
+    at = torch.tensor(HIGH_BITS_AT[bits], dtype=torch.int64)
+    high = ((codes >> 4).to(torch.int64).view(n, k // chunk, chunk) << at).sum(-1)  # [N, chunks], bits disjoint
+    high = torch.where(high >= 1 << 31, high - (1 << 32), high).to(torch.int32)  # the same 32 bits
+    high = _tiles(high).view(torch.uint8).view(-1, k // chunk, 1, TILE, 4)
+    return torch.cat([words, high], dim=2).contiguous()
+
+
 def _optional_tiles(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else _tiles(t)
 
@@ -111,13 +155,22 @@ def unpacker(packed: NativePacked, weight: QuantizedWeight):
     """The integers [rows, K] int32 read back from the packed tiles, only the rows asked for."""
     n, k = weight.out_features, weight.in_features
 
+    def low_nibbles(words: torch.Tensor) -> torch.Tensor:  # [R, K / 8, 4] bytes -> [R, K] int32
+        nibbles = torch.stack([words & 15, words >> 4], dim=-1).flatten(-2)  # [R, K / 8, 8] in nibble order
+        return nibbles[:, :, list(_NIBBLE_OF_K)].reshape(words.shape[0], k).to(torch.int32)
+
     def unpack(rows: torch.Tensor | None) -> torch.Tensor:
         rows = torch.arange(n) if rows is None else rows.long()
-        if weight.bits == 8:
+        if packed.bits == 8:
             return packed.q[rows // TILE, :, rows % TILE].to(torch.int32)
-        words = packed.q[rows // TILE, :, rows % TILE]  # [R, K / 8, 4] bytes
-        nibbles = torch.stack([words & 15, words >> 4], dim=-1).flatten(-2)  # [R, K / 8, 8] in nibble order
-        return nibbles[:, :, list(_NIBBLE_OF_K)].reshape(len(rows), k).to(torch.int32)
+        if packed.bits == 4:
+            return low_nibbles(packed.q[rows // TILE, :, rows % TILE]) + packed.bias
+        chunks = packed.q[rows // TILE, :, :, rows % TILE]  # [R, chunks, words + 1, 4] bytes
+        low = low_nibbles(chunks[:, :, :-1].reshape(len(rows), -1, 4))
+        high = chunks[:, :, -1].contiguous().view(torch.int32).to(torch.int64)  # [R, chunks, 1]
+        at = torch.tensor(HIGH_BITS_AT[packed.bits], dtype=torch.int64)
+        high = ((high >> at) & ((1 << (packed.bits - 4)) - 1)).reshape(len(rows), k)
+        return (low | (high << 4).to(torch.int32)) + packed.bias
 
     return unpack
 
