@@ -28,6 +28,32 @@ def _dequantized(fp8: tuple) -> tuple:
     return (fp8[0].float(), kv8.dequantize(fp8[1], K_SCALE), kv8.dequantize(fp8[2], V_SCALE), *fp8[3:])
 
 
+def _fused_rotary_check(key, value, slots, dtype, dry, check) -> dict:
+    """The fused rotary + fp8 write on the GPU against torch's rotary and the reference write on the CPU: the GPU
+    rounds to bf16 as torch does, so the bytes must be equal. The interpreter truncates to bf16: a dry run compares
+    with the unfused Triton rotary instead."""
+    from pagedserve.kernels.cache import reference as cache_reference
+    from pagedserve.kernels.rope import compute_cos_sin_cache
+    from pagedserve.kernels.rope import reference as rope_reference
+    from pagedserve.kernels.rope import triton as rope_triton
+
+    tokens, hkv, d = key.shape
+    device = key.device
+    cos_sin = compute_cos_sin_cache(d, 8192, 500000.0, None, torch.bfloat16, device)
+    positions = torch.randint(0, 8192, (tokens,), device=device)
+    query = torch.randn(tokens, 4 * hkv, d, device=device, dtype=torch.bfloat16)
+    nb = slots.max().item() // 16 + 1
+    got = [torch.zeros(nb, 16, hkv, d, device=device, dtype=dtype) for _ in range(2)]
+    rope_triton.rotary_embedding_and_cache(positions, query, key, value, cos_sin, *got, slots, k_scale=K_SCALE,
+                                           v_scale=V_SCALE)
+    want = [torch.zeros(nb, 16, hkv, d, dtype=dtype) for _ in range(2)]
+    rotary = rope_triton.rotary_embedding if dry else rope_reference.rotary_embedding
+    _, rotated = rotary(positions.cpu(), query.cpu(), key.cpu(), cos_sin.cpu())
+    cache_reference.reshape_and_cache(rotated, value.cpu(), *want, slots.cpu(), k_scale=K_SCALE, v_scale=V_SCALE)
+    return check(f"rotary_embedding_and_cache {dtype} bytes", torch.stack(got).view(torch.uint8).cpu(),
+                 torch.stack(want).view(torch.uint8), 0, 0)
+
+
 def kv8_checks(device: torch.device, dry: bool, check: Callable[..., dict]) -> list[dict]:
     """reshape_and_cache into both fp8 formats byte for byte (the oracle computed on the CPU: CUDA's torch divides by
     a scalar through its reciprocal); paged attention, decode with and without splits, windowed and capped."""
@@ -50,6 +76,7 @@ def kv8_checks(device: torch.device, dry: bool, check: Callable[..., dict]) -> l
                                           v_scale=V_SCALE)
         results.append(check(f"reshape_and_cache {dtype} bytes", torch.stack(got).view(torch.uint8).cpu(),
                              torch.stack(want).view(torch.uint8), 0, 0))
+        results.append(_fused_rotary_check(key, value, slots, dtype, dry, check))
 
         lens = [(512, 2048), (1, 4000), (37, 37), (1, 1), (300, 1500)] if not dry else [(9, 30), (1, 20), (1, 1)]
         _, fp8 = _fp8_batch(lens, dtype, device, seed=3)

@@ -148,7 +148,9 @@ def _aot_launches() -> list:
                 cache = torch.zeros(8, 16, hkv, d, dtype=cache_dtype)
                 cache_triton.reshape_and_cache(k, k, cache, cache, torch.arange(4), **fp8)
                 cache_triton.copy_blocks([cache], [cache], [(0, 1)])
-            q = torch.randn(4, hq, d, dtype=bf16)
+                q = torch.randn(4, hq, d, dtype=bf16)
+                rope_triton.rotary_embedding_and_cache(torch.arange(4), q, k, k, torch.randn(64, d), cache, cache,
+                                                       torch.arange(4), **fp8)
             rope_triton.rotary_embedding(torch.arange(4), q, k, torch.randn(64, d, dtype=bf16))
         for hidden, inter in ((4096, 14336), (576, 1536)):
             x = torch.randn(4, hidden, dtype=bf16)

@@ -130,6 +130,47 @@ def test_scales_on_a_cache_that_is_not_fp8_are_refused():
         attention_triton.paged_attention(*batch.args(), v_scale=2.0)
 
 
+def _fused_rotary_inputs(activation: torch.dtype, seed: int):
+    """Positions, query, strided key and value views of one projection, a cos/sin table and slots with padding."""
+    from pagedserve.kernels.rope import compute_cos_sin_cache
+
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_q_heads, num_kv_heads, head_dim = 6, 6, 3, 80
+    fused = (torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 3).to(activation)
+    q, k, v = fused.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    cos_sin = compute_cos_sin_cache(head_dim, 64, 10000.0, None, torch.float32, torch.device("cpu"))
+    return (torch.tensor([0, 5, 63, 7, 1, 30]), q.view(num_tokens, num_q_heads, head_dim),
+            k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim), cos_sin,
+            torch.tensor([3, -1, 40, 17, 0, 63]))
+
+
+@pytest.mark.parametrize("cache_dtype", [*FP8, pytest.param(None, id="activation-dtype")])
+@pytest.mark.parametrize("activation", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_rotary_and_cache_writes_the_two_reference_ops_bytes(cache_dtype, activation):
+    from pagedserve.kernels.rope import reference as rope_reference
+    from pagedserve.kernels.rope import triton as rope_triton
+
+    positions, query, key, value, cos_sin, slots = _fused_rotary_inputs(activation, seed=9)
+    cache_dtype = cache_dtype or activation
+    scales = {"k_scale": 0.03, "v_scale": 0.02} if kv8.is_fp8(torch.empty(0, dtype=cache_dtype)) else {}
+    caches = [torch.zeros(4, 16, 3, 80, dtype=cache_dtype) for _ in range(4)]
+    rotated = rope_triton.rotary_embedding_and_cache(positions, query, key, value, cos_sin, caches[0], caches[1],
+                                                     slots, **scales)
+    want_q, want_k = rope_triton.rotary_embedding(positions, query, key, cos_sin)
+    cache_reference.reshape_and_cache(want_k, value, caches[2], caches[3], slots, **scales)
+    assert torch.equal(rotated, want_q)  # the unfused Triton rotary's exact result
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))  # values: no rotation
+    got, want = caches[0].view(torch.uint8), caches[2].view(torch.uint8)
+    assert torch.equal(got, want)
+    if activation == torch.bfloat16:
+        return  # the interpreter truncates fp32 -> bf16 where torch and the GPU round: test_rope's bf16 tolerance
+    # fp32 and fp16 (numpy rounds to nearest): the bytes of torch's rotary followed by the reference write.
+    ref_q, ref_k = rope_reference.rotary_embedding(positions, query, key, cos_sin)
+    torch_caches = [torch.zeros_like(caches[0]) for _ in range(2)]
+    cache_reference.reshape_and_cache(ref_k, value, *torch_caches, slots, **scales)
+    assert torch.equal(rotated, ref_q) and torch.equal(got, torch_caches[0].view(torch.uint8))
+
+
 # --- the read path ----------------------------------------------------------------------------------------------
 
 # (num_kv_heads, group, head_dim, block_size): GQA 1, 4 and 8, an odd head size, both block sizes.
@@ -252,6 +293,7 @@ _AOT_SCRIPT = """
 import json, torch
 from pagedserve.kernels.attention import triton as attention_triton
 from pagedserve.kernels.cache import triton as cache_triton
+from pagedserve.kernels.rope import triton as rope_triton
 from pagedserve.kernels.aot import compile_launch, record_launches
 
 def batch(lens, dtype, hq=32, hkv=8, d=128, bs=16):
@@ -266,7 +308,7 @@ def batch(lens, dtype, hq=32, hkv=8, d=128, bs=16):
 
 scales = dict(k_scale=0.5, v_scale=0.25)
 e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
-with record_launches(attention_triton, cache_triton) as launches:
+with record_launches(attention_triton, cache_triton, rope_triton) as launches:
     attention_triton.paged_attention(*batch([(1, 4096)] * 2, e4m3), **scales)  # decode tile
     attention_triton.paged_attention(*batch([(1, 4096)] * 2, e5m2), **scales, num_splits=4)  # split-K + reduce
     attention_triton.paged_attention(*batch([(512, 512), (1, 700)], e4m3), **scales)  # 128-row prefill tile
@@ -276,6 +318,9 @@ with record_launches(attention_triton, cache_triton) as launches:
         kv = torch.zeros(64, 8, 128, dtype=torch.bfloat16)
         cache = torch.zeros(8, 16, 8, 128, dtype=dtype)
         cache_triton.reshape_and_cache(kv, kv, cache, cache, torch.arange(64), **scales)
+        q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+        rope_triton.rotary_embedding_and_cache(torch.arange(64), q, kv, kv, torch.zeros(64, 128), cache, cache,
+                                               torch.arange(64), **scales)
 cache_dtypes = [str(next(a.dtype for a in l.args if getattr(a, "dtype", None) in (e4m3, e5m2)))
                 if l.fn.__name__ != "_split_reduce_kernel" else None for l in launches]
 print(json.dumps([dict(compile_launch(l), cache=c) for l, c in zip(launches, cache_dtypes)]))
@@ -290,7 +335,8 @@ def test_fp8_kernels_compile_for_sm90_without_spills():
         ("_paged_attention_kernel", "torch.float8_e4m3fn"), ("_split_decode_kernel", "torch.float8_e5m2"),
         ("_split_reduce_kernel", None), ("_paged_attention_kernel", "torch.float8_e4m3fn"),
         ("_paged_attention_kernel", "torch.float8_e5m2"), ("_reshape_and_cache_kernel", "torch.float8_e4m3fn"),
-        ("_reshape_and_cache_kernel", "torch.float8_e5m2")]
+        ("_rotary_cache_kernel", "torch.float8_e4m3fn"), ("_reshape_and_cache_kernel", "torch.float8_e5m2"),
+        ("_rotary_cache_kernel", "torch.float8_e5m2")]
     assert [c["constexprs"]["DOT_DTYPE"] for c in configs if "DOT_DTYPE" in c["constexprs"]] == ["bf16"] * 4
     for config in configs:
         assert config["stack_bytes"] == 0, config  # no register spills
@@ -311,5 +357,5 @@ def test_the_gpu_checks_kv8_part_passes_as_its_dry_run(tmp_path):
     subprocess.run([sys.executable, "kernel_bench.py", "gpu-check", "--dry-run", "--parts", "kv8", "--out",
                     str(tmp_path)], check=True, env=env, cwd=bench, timeout=600, capture_output=True)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["kv8_all_correct"] is True and len(report["kv8_correctness"]) == 8
+    assert report["kv8_all_correct"] is True and len(report["kv8_correctness"]) == 10
     assert [row["batch"] for row in report["kv8_decode"]] == [4]
