@@ -247,6 +247,7 @@ struct Avx512Ops {
     std::vector<float> q;        // [num_q_heads, padded] fp32, zero past head_dim
     std::vector<uint16_t> qbf;   // the same in bf16 (a bf16 query as given), for vdpbf16ps
     std::vector<float> vrows;    // a tile's values (or fp8 keys) of one KV head in fp32, [kTile, padded]
+    std::vector<float> parts;    // fp8 keys: a query group's 16-lane partial dot products, [group, kTile, 16]
     int64_t padded = 0;          // head_dim rounded up to 32
   };
 
@@ -294,11 +295,81 @@ struct Avx512Ops {
     }
   }
 
+  // Scores on an fp8 cache of a compiled head size: each key row is widened in registers and serves its whole
+  // query group (the partial sums go through a small buffer to reduce16), nothing staged in memory.
+  template <typename C, int HEAD_DIM>
+  static void fp8_scores(const Problem& p, Query& q, const Tile<C>& tile, float* scores, Prefetcher<C>& ahead) {
+    constexpr int kChunks = HEAD_DIM / 16 + (HEAD_DIM % 16 != 0);
+    const int64_t group = p.num_q_heads / p.num_kv_heads;
+    q.parts.resize(group * kTile * 16);
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      ahead.issue(static_cast<int>(ahead.per_head * group));
+      for (int j = 0; j < kTile; ++j) {
+        __m512 x[kChunks];
+#pragma GCC unroll 16
+        for (int c = 0; c < kChunks; ++c) x[c] = load16(tile.keys[j] + h * HEAD_DIM + 16 * c, mask16(HEAD_DIM - 16 * c));
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qv = q.q.data() + (h * group + g) * q.padded;
+          __m512 acc = _mm512_mul_ps(x[0], _mm512_loadu_ps(qv));
+#pragma GCC unroll 16
+          for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(x[c], _mm512_loadu_ps(qv + 16 * c), acc);
+          _mm512_storeu_ps(q.parts.data() + (g * kTile + (j % 4) * 4 + j / 4) * 16, acc);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 parts[kTile];
+#pragma GCC unroll 16
+        for (int i = 0; i < kTile; ++i) parts[i] = _mm512_loadu_ps(q.parts.data() + (g * kTile + i) * 16);
+        _mm512_storeu_ps(scores + (h * group + g) * kTile, _mm512_mul_ps(reduce16(parts), _mm512_set1_ps(p.scale)));
+      }
+    }
+  }
+
+  // acc rows of N query heads (from qh) += their weights times a tile's fp8 values of KV head h, one 16-column
+  // chunk: each value vector is widened once in registers for the N heads.
+  template <int N, typename C, int HEAD_DIM>
+  static void fp8_values_chunk(const Tile<C>& tile, const float* weights, float* acc, int64_t h, int64_t qh, int c) {
+    const __mmask16 mask = mask16(HEAD_DIM - 16 * c);
+    __m512 sum[N];
+#pragma GCC unroll 4
+    for (int i = 0; i < N; ++i) sum[i] = _mm512_maskz_loadu_ps(mask, acc + (qh + i) * HEAD_DIM + 16 * c);
+#pragma GCC unroll 16
+    for (int j = 0; j < kTile; ++j) {
+      const __m512 x = load16(tile.values[j] + h * HEAD_DIM + 16 * c, mask);
+#pragma GCC unroll 4
+      for (int i = 0; i < N; ++i) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(qh + i) * kTile + j]), x, sum[i]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < N; ++i) _mm512_mask_storeu_ps(acc + (qh + i) * HEAD_DIM + 16 * c, mask, sum[i]);
+  }
+
+  template <typename C, int HEAD_DIM>
+  static void fp8_values(const Problem& p, const Tile<C>& tile, const float* weights, float* acc,
+                         Prefetcher<C>& ahead) {
+    const int64_t group = p.num_q_heads / p.num_kv_heads;
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      ahead.issue(static_cast<int>(ahead.per_head * group));
+      for (int c = 0; c * 16 < HEAD_DIM; ++c) {
+        for (int64_t g = 0; g < group; g += 4) {  // up to four accumulators a pass
+          const int64_t qh = h * group + g;
+          switch (std::min<int64_t>(4, group - g)) {
+            case 1: fp8_values_chunk<1, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+            case 2: fp8_values_chunk<2, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+            case 3: fp8_values_chunk<3, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+            default: fp8_values_chunk<4, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+          }
+        }
+      }
+    }
+  }
+
   template <typename T, int HEAD_DIM>
   static void scores(const Problem& p, Query& q, const Tile<T>& tile, float* scores, Prefetcher<T>& ahead) {
     const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
     const __m512 scale = _mm512_set1_ps(p.scale);
-    if constexpr (kIsFp8<T>) {  // fp8 keys widened once per KV head; fp32 products with the fp32 query
+    if constexpr (kIsFp8<T> && HEAD_DIM > 0) {
+      return fp8_scores<T, HEAD_DIM>(p, q, tile, scores, ahead);
+    } else if constexpr (kIsFp8<T>) {  // fp8 keys widened once per KV head; fp32 products with the fp32 query
       for (int64_t h = 0; h < p.num_kv_heads; ++h) {
         const float* rows[kTile];
         widen(q, tile.keys, h * dim, dim, rows);
@@ -353,6 +424,9 @@ struct Avx512Ops {
   template <typename T, int HEAD_DIM>
   static void values(const Problem& p, Query& q, const Tile<T>& tile, const float* weights, float* acc,
                      Prefetcher<T>& ahead) {
+    if constexpr (kIsFp8<T> && HEAD_DIM > 0) {
+      return fp8_values<T, HEAD_DIM>(p, tile, weights, acc, ahead);
+    }
     const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       // A bf16 or fp8 head is widened once into vrows and serves the whole group; fp32 rows are read in place.
