@@ -143,3 +143,14 @@ def test_config_and_checkpoint_names(idefics_path: Path) -> None:
     assert family.placement("model.connector.modality_projection.proj.weight", cfg).param == (
         "connector.modality_projection.proj.weight")
     assert family.placement("model.vision_model.post_layernorm.weight", cfg).param == "vision_model.post_layernorm.weight"
+
+
+def test_n3_children_share_the_images(idefics_path, expected):
+    engine = _engine(idefics_path)
+    prompt, images = PROMPTS[1]
+    engine.add_request("n3", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+                       images=images)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((out for out in engine.step() if out.finished), final)
+    assert [list(c.token_ids) for c in final.outputs] == [expected[1]] * 3

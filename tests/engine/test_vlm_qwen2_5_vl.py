@@ -187,3 +187,14 @@ def test_qwen2_vl_features_and_chunked_greedy_tokens_equal_transformers(tmp_path
                                        eos_token_id=None, pad_token_id=0)
         expected.append(generated[0, inputs["input_ids"].shape[1]:].tolist())
     assert _run(_engine(path, max_num_batched_tokens=8), PROMPTS) == expected
+
+
+def test_n3_children_share_the_images(qwen_path, expected):
+    engine = _engine(qwen_path)
+    prompt, images = PROMPTS[1]
+    engine.add_request("n3", prompt, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True),
+                       images=images)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((out for out in engine.step() if out.finished), final)
+    assert [list(c.token_ids) for c in final.outputs] == [expected[1]] * 3
