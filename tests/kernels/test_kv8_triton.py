@@ -359,3 +359,48 @@ def test_the_gpu_checks_kv8_part_passes_as_its_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["kv8_all_correct"] is True and len(report["kv8_correctness"]) == 10
     assert [row["batch"] for row in report["kv8_decode"]] == [4]
+
+
+# --- the engine ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_engine_on_triton_kernels_with_an_fp8_cache_generates_the_reference_kernels_tokens(tmp_path, monkeypatch,
+                                                                                          tiny_llama_path):
+    # fp32 tiny Llama (GQA), checkpoint scales on one layer, a 10-token budget: prefill chunks ride with decodes.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.backend.engine.llm_engine import LLMEngine
+    from pagedserve.kernels.rope import triton as rope_triton
+
+    path = tmp_path / "scaled"
+    shutil.copytree(tiny_llama_path, path)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.05),
+                    "model.layers.0.self_attn.v_scale": torch.tensor(0.02)})
+    save_file(tensors, path / "model.safetensors")
+    prompts = [[5, 9, 13, 200, 31, 7, 77, 101, 3 + 4, 250, 11, 12, 60, 61], [40, 41, 42], [300, 8, 9, 10, 11, 1 + 4]]
+
+    def greedy(kernels_mode: str) -> tuple[list[list[int]], LLMEngine]:
+        monkeypatch.setenv("PAGEDSERVE_KERNELS", kernels_mode)
+        engine = LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", block_size=16, num_blocks=8,
+                                           max_num_batched_tokens=10, max_num_seqs=4, kv_cache_dtype="fp8")
+        outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        return [out.outputs[0].token_ids for out in outputs], engine
+
+    want, reference_engine = greedy("torch")
+    attention_calls = spy(monkeypatch, attention_triton, "paged_attention")
+    # The rotated key's write: the fused kernel where the entry routes to it, else rotary then reshape_and_cache.
+    fused_calls = spy(monkeypatch, rope_triton, "rotary_embedding_and_cache")
+    write_calls = spy(monkeypatch, cache_triton, "reshape_and_cache")
+    got, engine = greedy("triton")
+    assert attention_calls and all(c[1].dtype == torch.float8_e4m3fn for c in attention_calls)
+    assert all(c[5].dtype == torch.float8_e4m3fn for c in fused_calls) and all(
+        c[2].dtype == torch.float8_e4m3fn for c in write_calls) and fused_calls + write_calls
+    assert got == want
+    for ours, theirs in zip(engine.runner.key_caches + engine.runner.value_caches,
+                            reference_engine.runner.key_caches + reference_engine.runner.value_caches, strict=True):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
