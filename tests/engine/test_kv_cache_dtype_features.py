@@ -1,0 +1,73 @@
+"""The engine's features on an fp8 KV cache: prefix caching, copy-on-write, preemption, LoRA, beams and
+speculative decoding each give what the same fp8 engine gives without them (the cache's bytes are the same
+whichever way a block came to hold them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.backend.core.sampling_params import SamplingParams
+from pagedserve.testing import make_lora_adapter
+from tests.support.engines import cpu_engine, greedy
+from tests.support.speculation import PROMPTS, assert_same, assert_speculated_and_all_free, run, spec
+
+FP8 = {"kv_cache_dtype": "fp8", "block_size": 4}
+
+
+def _tokens(engine, prompts, params) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def roomy_greedy(tiny_llama_path) -> list[list[list[int]]]:
+    return _tokens(cpu_engine(tiny_llama_path, num_blocks=256, **FP8), PROMPTS, greedy(16))
+
+
+def test_prefix_cache_hits_read_the_fp8_blocks_another_request_wrote(tiny_llama_path, roomy_greedy):
+    engine = cpu_engine(tiny_llama_path, num_blocks=256, **FP8)
+    first = engine.generate([PROMPTS[2]], greedy(16))[0]
+    again = engine.generate([PROMPTS[2]], greedy(16))[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 16
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == roomy_greedy[2][0]
+
+
+def test_copy_on_write_forks_keep_the_shared_fp8_prompt(tiny_llama_path, roomy_greedy):
+    # n = 3 greedy children share the prompt's blocks; each copies the last, partial one before writing into it.
+    engine = cpu_engine(tiny_llama_path, num_blocks=256, **FP8)
+    children = _tokens(engine, [PROMPTS[3]], greedy(16, n=3))[0]
+    assert children == [roomy_greedy[3][0]] * 3
+
+
+def test_preempted_sequences_recompute_into_fp8_blocks_and_end_alike(tiny_llama_path, roomy_greedy):
+    tight = cpu_engine(tiny_llama_path, num_blocks=26, max_num_batched_tokens=8, **FP8)
+    assert _tokens(tight, PROMPTS, greedy(16)) == roomy_greedy
+    assert tight.get_stats().num_preemptions > 0
+
+
+def test_beams_on_fp8_survive_preemption(tiny_llama_path):
+    params = SamplingParams(beam_width=4, n=2, max_tokens=12, ignore_eos=True)
+    expected = _tokens(cpu_engine(tiny_llama_path, num_blocks=256, **FP8), PROMPTS, params)
+    tight = cpu_engine(tiny_llama_path, num_blocks=24, max_num_batched_tokens=8, **FP8)
+    assert _tokens(tight, PROMPTS, params) == expected
+    assert tight.get_stats().num_preemptions > 0
+    assert all(len(beams) == 2 and beams[0] != beams[1] for beams in expected)
+
+
+def test_ngram_speculation_on_fp8_equals_decoding_without_it(tiny_llama_path):
+    settings = dict(num_blocks=128, max_model_len=256, **FP8)
+    baseline = run(cpu_engine(tiny_llama_path, **settings), PROMPTS, greedy(40))
+    engine = cpu_engine(tiny_llama_path, speculative_config=spec(3), **settings)
+    assert_same(run(engine, PROMPTS, greedy(40)), baseline)
+    assert_speculated_and_all_free(engine)
+
+
+def test_lora_adapters_on_fp8_match_each_request_alone(tiny_llama_path, tmp_path):
+    adapter = make_lora_adapter(tiny_llama_path, tmp_path / "a1", rank=8, seed=1)
+    engine = cpu_engine(tiny_llama_path, enable_lora=True, max_loras=1, num_blocks=128,
+                        lora_modules={"a1": str(adapter)}, **FP8)
+    params = [greedy(12, lora_name=name) for name in ("a1", None, "a1", None)]
+    mixed = _tokens(engine, PROMPTS, params)
+    alone = [_tokens(engine, [prompt], [p])[0] for prompt, p in zip(PROMPTS, params, strict=True)]
+    assert mixed == alone
+    base = _tokens(engine, [PROMPTS[0]], greedy(12))[0]
+    assert mixed[0] != base, "the adapter changes the output"
