@@ -5,10 +5,14 @@ to fp32 rounding; writes byte for byte against torch's cast (kv8.quantize)."""
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
-from pagedserve.kernels import attention, kv8
+from pagedserve.kernels import attention, kv8, native
 from pagedserve.kernels.attention import cpu as attention_cpu
 from pagedserve.kernels.attention import cpu_prefill, reference
 from pagedserve.kernels.attention.reference import NO_MODS, ScoreMods
@@ -290,3 +294,50 @@ def test_fused_rotary_write_stores_the_rotated_key_quantized(fp8, dtype):
     untouched = torch.ones(key_cache.shape[0], dtype=torch.bool)
     untouched[slots[keep]] = False
     assert not _bytes(key_cache[untouched]).any() and not _bytes(value_cache[untouched]).any()
+
+
+@pytest.fixture(scope="module", params=["x86-64-v3", "x86-64"], ids=["avx2", "sse2"])
+def other_build(request, tmp_path_factory):
+    """The decode kernel and the fused write built for AVX2 + F16C (x86-64-v3: the vector fp8 reads AVX2 CPUs run)
+    or plain x86-64 (the scalar fp8 reads), instead of this CPU's AVX-512."""
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    kernels = Path(native.__file__).resolve().parent.parent
+    out = tmp_path_factory.mktemp("kv8") / f"kv8_{request.param}.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"] + [f"-march={request.param}"]
+    sources = [kernels / "attention" / "paged_attention.cpp", kernels / "rope" / "rotary.cpp"]
+    result = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(out)], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+        pytest.skip(f"no {request.param} build: {result.stderr[-300:]}")
+    return ctypes.CDLL(str(out))
+
+
+def _entry(library: ctypes.CDLL, function: native.Function):
+    """A native.Function's entry point taken from another build of the library."""
+    entry = getattr(library, function.name)
+    entry.restype, entry.argtypes = ctypes.c_int, function._argtypes
+
+    def call(*args):
+        assert entry(*args) == 0
+
+    return call
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")),
+                    reason="an x86-64 CPU with AVX2 runs the AVX2 build")
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_builds_without_avx512_read_and_write_fp8_alike(other_build, fp8, monkeypatch):
+    monkeypatch.setattr(attention_cpu, "_decode_kernel", _entry(other_build, attention_cpu._decode_kernel))
+    monkeypatch.setattr(rope_cpu, "_rotary_and_cache_kernel", _entry(other_build, rope_cpu._rotary_and_cache_kernel))
+    for dtype, head_dim in ((torch.bfloat16, 64), (torch.float32, 36)):
+        batch, oracle = _fp8_batch(ODD, 2, 3, head_dim, 16, fp8, dtype, seed=21)
+        _poison_spare_blocks(batch)
+        torch.testing.assert_close(_attention(batch, window=40, soft_cap=2.0).float(),
+                                   per_sequence_attention(oracle, 40, 2.0), **TOL[dtype])
+    value = _fp32_cases(fp8)
+    _, _, value_cache = _fused_write(torch.zeros_like(value), value, fp8, 1.0, 0.37)
+    assert torch.equal(_bytes(value_cache[: value.shape[0]]), _bytes(kv8.quantize(value, fp8, 0.37)))
