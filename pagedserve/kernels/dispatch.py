@@ -36,9 +36,33 @@ def _has_triton() -> bool:
     return _triton_installed
 
 
+class EnvSwitch:
+    """An environment variable read on every call (tests and users change it at run time), cheaply.
+
+    os.environ encodes the key and decodes the value on each read, and the kernels read their switches
+    a dozen times a layer; on POSIX CPython this reads the bytes mapping that os.environ writes through to.
+    """
+
+    _environ = os.environ
+    _data: dict | None = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+    def __init__(self, name: str) -> None:
+        self.name, self._key = name, os.fsencode(name)
+
+    def get(self) -> str | None:
+        """The variable's value, None when unset."""
+        if self._data is None or os.environ is not self._environ:  # os.environ replaced: read the new one
+            return os.environ.get(self.name)
+        raw = self._data.get(self._key)
+        return None if raw is None else os.fsdecode(raw)
+
+
+_MODE_SWITCH = EnvSwitch(ENV)
+
+
 def mode() -> str:
     """The `PAGEDSERVE_KERNELS` setting: auto, triton or torch; anything else is refused by name."""
-    raw = os.environ.get(ENV)
+    raw = _MODE_SWITCH.get()
     if raw is None:  # the common case: a dozen dispatches per layer, so no string work
         return "auto"
     chosen = raw.strip().lower() or "auto"
@@ -50,6 +74,8 @@ def mode() -> str:
 def backend_for(tensor: torch.Tensor) -> Backend:
     """The backend that serves an op whose main operand is this tensor."""
     chosen = mode()
+    if chosen == "auto" and not tensor.is_cuda:  # the CPU engine's every call: no triton lookup
+        return Backend.CPU if tensor.device.type == "cpu" else Backend.TORCH
     if chosen == "torch":
         return Backend.TORCH
     if chosen == "triton":

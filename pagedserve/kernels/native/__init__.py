@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels.dispatch import EnvSwitch
+
 logger = logging.getLogger(__name__)
 
 _KERNELS = Path(__file__).resolve().parent.parent
@@ -33,6 +35,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "
 # The `dtype` argument of the entry points (DType in cpu_common.h).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+_SWITCH = EnvSwitch(ENV_SWITCH)
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_failed = False
@@ -40,8 +43,8 @@ _load_failed = False
 
 def enabled() -> bool:
     """False when PAGEDSERVE_CPU_KERNELS is 0/false/off/torch."""
-    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
-    return value not in ("0", "false", "off", "no", "torch")
+    value = _SWITCH.get()
+    return value is None or value.strip().lower() not in ("0", "false", "off", "no", "torch")
 
 
 def _compiler() -> str | None:
@@ -93,8 +96,10 @@ def _build(compiler: str, target: Path) -> None:
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None (with one warning) where it cannot be had."""
     global _library, _load_failed
-    if _library is not None or _load_failed or not enabled():
-        return _library if enabled() else None
+    if not enabled():
+        return None
+    if _library is not None or _load_failed:
+        return _library
     with _lock:
         if _library is not None or _load_failed:
             return _library
@@ -115,7 +120,7 @@ def load() -> ctypes.CDLL | None:
 
 def dtype_code(tensor: torch.Tensor) -> int | None:
     """The kernels' code for this tensor's dtype, None where they do not serve it."""
-    return _DTYPE_CODES.get(tensor.dtype) if tensor.device.type == "cpu" else None
+    return _DTYPE_CODES.get(tensor.dtype) if tensor.is_cpu else None
 
 
 class Function:
@@ -147,9 +152,10 @@ class Function:
 
 def serves(*tensors: torch.Tensor) -> bool:
     """True when every tensor is a CPU fp32/bf16 tensor of one dtype and the library loads."""
-    first = tensors[0]
-    return (
-        dtype_code(first) is not None
-        and all(t.dtype == first.dtype and t.device.type == "cpu" for t in tensors)
-        and load() is not None
-    )
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPE_CODES:
+        return False
+    for tensor in tensors:  # a loop, not all() over a generator: this runs for every kernel call
+        if tensor.dtype != dtype or not tensor.is_cpu:
+            return False
+    return load() is not None
