@@ -198,3 +198,15 @@ def test_n3_children_share_the_images(qwen_path, expected):
     while engine.has_unfinished_requests():
         final = next((out for out in engine.step() if out.finished), final)
     assert [list(c.token_ids) for c in final.outputs] == [expected[1]] * 3
+
+
+def test_image_only_processor_takes_the_settings_its_class_names(tmp_path: Path) -> None:
+    import inspect
+
+    from pagedserve.backend.engine.image_processors import _settings
+
+    (tmp_path / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "SmolVLMProcessor", "image_seq_len": 64, "chat_template": "x", "unknown": 1}))
+    parameters = inspect.signature(transformers.SmolVLMProcessor.__init__).parameters
+    assert _settings(str(tmp_path), parameters) == {"image_seq_len": 64}
+    assert _settings(str(tmp_path / "missing"), parameters) == {}

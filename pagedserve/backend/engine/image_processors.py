@@ -44,7 +44,8 @@ def _image_only_processor(model_path: str) -> Any | None:
 
     name = _processor_class_name(model_path)
     base = getattr(transformers, name, None) if name else None
-    if base is None or "video_processor" not in inspect.signature(base.__init__).parameters:
+    parameters = inspect.signature(base.__init__).parameters if base is not None else {}
+    if "video_processor" not in parameters:
         return None
 
     class ImageOnly(base):  # type: ignore[misc, valid-type]
@@ -56,7 +57,16 @@ def _image_only_processor(model_path: str) -> Any | None:
     ImageOnly.__name__ = ImageOnly.__qualname__ = f"{base.__name__}ImageOnly"
     images = transformers.AutoImageProcessor.from_pretrained(model_path, local_files_only=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    return ImageOnly(image_processor=images, tokenizer=tokenizer, video_processor=None)
+    return ImageOnly(image_processor=images, tokenizer=tokenizer, video_processor=None, **_settings(model_path,
+                                                                                                    parameters))
+
+
+def _settings(model_path: str, parameters: Any) -> dict[str, Any]:
+    """The processor's own settings its processor_config.json holds (image_seq_len, say)."""
+    path = Path(model_path) / "processor_config.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    skip = {"self", "image_processor", "tokenizer", "video_processor", "chat_template", "kwargs"}
+    return {key: value for key, value in saved.items() if key in parameters and key not in skip}
 
 
 def per_image(out: Any, count: int) -> list[dict[str, Any]]:
