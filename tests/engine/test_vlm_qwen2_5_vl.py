@@ -210,3 +210,17 @@ def test_image_only_processor_takes_the_settings_its_class_names(tmp_path: Path)
     parameters = inspect.signature(transformers.SmolVLMProcessor.__init__).parameters
     assert _settings(str(tmp_path), parameters) == {"image_seq_len": 64}
     assert _settings(str(tmp_path / "missing"), parameters) == {}
+
+
+def test_checkpoint_names_of_the_hub_and_transformers_5(qwen_path: Path) -> None:
+    from pagedserve.backend.model.qwen2_vl import Qwen2VLFamily
+
+    cfg = ModelArchConfig.from_pretrained(qwen_path)
+    family = Qwen2VLFamily(type(cfg), object)
+    for name in ("model.layers.0.self_attn.k_proj.bias", "model.language_model.layers.0.self_attn.k_proj.bias"):
+        placed = family.placement(name, cfg)
+        assert placed.param == "layers.0.self_attn.qkv_proj.bias" and placed.selector == (slice(64, 96),)
+    for name in ("visual.blocks.0.attn.qkv.weight", "model.visual.blocks.0.attn.qkv.weight"):
+        assert family.placement(name, cfg).param == "visual.blocks.0.attn.qkv.weight"
+    assert family.placement("model.language_model.embed_tokens.weight", cfg).param == "embed_tokens.weight"
+    assert family.placement("lm_head.weight", cfg).param == "lm_head.weight"
