@@ -463,9 +463,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return out
     # Soft-capping scales the dot products by scale / cap before tanh, and the tanh by cap in the log2 domain.
     # k_scale rides on the score scale: q . (k * k_scale) * scale = (q . k) * (scale * k_scale).
-    scale = scale * k_scale
+    scale = scale * float(k_scale)
     qk_scale = scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap
-    launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, qk_scale, v_scale,
+    launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, qk_scale, float(v_scale),
                      max(16, triton.next_power_of_2(query.shape[2])), _dot_dtype(key_cache.dtype, query.dtype),
                      sliding_window or 0, 0.0 if logits_soft_cap is None else logits_soft_cap * _LOG2E)
     decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
