@@ -61,7 +61,8 @@ class Attention(nn.Module):
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q [T, Hq, D], K and V [T, Hkv, D] (views into the fused projection's output)."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # split_with_sizes: Tensor.split's Python wrapper costs more than the views, once a layer every step.
+        q, k, v = self.qkv_proj(hidden).split_with_sizes([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
