@@ -11,9 +11,10 @@ from pagedserve.kernels.moe import fused_moe, topk_routing
 from pagedserve.kernels.norm import rms_norm
 from pagedserve.kernels.rejection import rejection_sample
 from pagedserve.kernels.rope import compute_cos_sin_cache, rotary_embedding, rotary_embedding_and_cache
-from pagedserve.kernels.sampling import logsumexp, sample_from_logits, to_float32
+from pagedserve.kernels.sampling import argmax, logsumexp, sample_from_logits, to_float32
 
 __all__ = [
+    "argmax",
     "compute_cos_sin_cache",
     "copy_blocks",
     "fused_moe",

@@ -104,3 +104,15 @@ def test_logits_widen_from_bf16_exactly(monkeypatch):
     got = to_float32(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, x.float(), equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 1000, 49152])
+def test_native_argmax_equals_torch_on_ties_nan_and_masked_rows(vocab):
+    logits, *_ = make_rows(rows=6, vocab=vocab, seed=3)
+    logits[1] = 0.0  # all tied: the first index
+    logits[2, vocab // 2] = logits[2, -1] = logits[2].max() + 1  # a tie for the top: the earlier one
+    logits[3] = -float("inf")  # fully masked
+    logits[4, -1] = float("nan")  # NaN wins wherever it is, as in torch
+    logits[5, vocab // 3 :] = float("nan")
+    assert torch.equal(cpu.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(reference.argmax(logits), logits.argmax(dim=-1))

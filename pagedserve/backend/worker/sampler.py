@@ -89,7 +89,7 @@ class Sampler:
             chosen, sampled_lse = self._sample_random(adjusted, requests)
             rows = list(range(len(requests)))
         else:
-            chosen = adjusted.argmax(dim=-1)
+            chosen = kernels.argmax(adjusted)
             rows = random_rows
             if random_rows:
                 index = torch.tensor(random_rows, device=logits.device)
@@ -103,7 +103,9 @@ class Sampler:
             for j in same:
                 have_lse[rows[j]] = True
         missing = [i for i, ok in enumerate(have_lse) if not ok]
-        if missing:
+        if len(missing) == len(requests):  # an all-greedy batch: no [R, V] copy of the rows
+            lse = kernels.logsumexp(logits)
+        elif missing:
             lse[missing] = kernels.logsumexp(logits[missing])
 
         chosen_logprobs = logits.gather(1, chosen[:, None]).squeeze(1) - lse

@@ -1,4 +1,4 @@
-"""The sampler's vocabulary-wide ops: widening logits to fp32, the inverse-CDF draw, log-sum-exp.
+"""The sampler's vocabulary-wide ops: widening logits to fp32, the inverse-CDF draw, log-sum-exp, greedy argmax.
 
 No Triton kernels: on the GPU these run as torch ops (the reference).
 """
@@ -31,3 +31,8 @@ def sample_from_logits(
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R]
     """Log-sum-exp of each row."""
     return _IMPLEMENTATIONS.select(logits).logsumexp(logits)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """Each row's first largest value's index (a NaN, first, where the row holds one), as torch.argmax."""
+    return _IMPLEMENTATIONS.select(logits).argmax(logits)

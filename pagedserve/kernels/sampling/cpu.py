@@ -14,6 +14,7 @@ _sample_kernel = native.Function(
     value_errors={2: "a logits row has no finite value to sample from"},
 )
 _logsumexp_kernel = native.Function("pagedserve_logsumexp", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
+_argmax_kernel = native.Function("pagedserve_argmax", [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
 _bf16_to_float_kernel = native.Function("pagedserve_bf16_to_float", [ctypes.c_void_p] * 2 + [ctypes.c_int64])
 
 
@@ -56,3 +57,13 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     lse = torch.empty(logits.shape[0], dtype=torch.float32)
     _logsumexp_kernel(logits.data_ptr(), lse.data_ptr(), *logits.shape)
     return lse
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """kernels.sampling.argmax in one vectorised native pass over each fp32 row (max, NaN check) and a search for its first index."""
+    if not _native_rows(logits) or logits.dim() != 2 or logits.shape[1] == 0:
+        return reference.argmax(logits)
+    logits = logits.contiguous()
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    _argmax_kernel(logits.data_ptr(), tokens.data_ptr(), *logits.shape)
+    return tokens

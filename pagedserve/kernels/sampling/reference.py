@@ -30,3 +30,8 @@ def sample_from_logits(logits: torch.Tensor, inv_temps: torch.Tensor, min_ps: to
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """kernels.sampling.logsumexp with torch's."""
     return torch.logsumexp(logits, dim=-1)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """kernels.sampling.argmax with torch's."""
+    return logits.argmax(dim=-1)

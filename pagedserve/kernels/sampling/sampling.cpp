@@ -1,6 +1,6 @@
 // Sampling over fp32 logits rows for the CPU path: an inverse-CDF draw and the row's log-sum-exp in three
 // passes over one row (max; exp and block sums; search), where torch makes five full-size temporaries;
-// and the exact bf16 -> fp32 widening of the logits.
+// greedy rows' argmax (torch's index reduction is scalar); and the exact bf16 -> fp32 widening of the logits.
 //
 // Semantics follow pagedserve/kernels/sampling/reference.py: probs = exp((x - max) / T), tokens below min_p * max
 // prob (the max prob is 1 here) are dropped, the token is the first whose running sum exceeds u * total,
@@ -25,6 +25,24 @@ float row_max_of(const float* row, int64_t vocab) {
 #pragma omp simd reduction(max : row_max)
   for (int64_t i = 0; i < vocab; ++i) row_max = row[i] > row_max ? row[i] : row_max;
   return row_max;
+}
+
+// The first index from `start` whose value `hit` accepts, or -1: a simd test per 64-value block, then the block
+// in order (an early-exit loop stays scalar, one dependent compare per entry).
+template <typename Hit>
+int64_t first_index(const float* row, int64_t vocab, Hit hit) {
+  constexpr int64_t kBlock = 64;
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t stop = start + kBlock < vocab ? start + kBlock : vocab;
+    int found = 0;
+#pragma omp simd reduction(| : found)
+    for (int64_t i = start; i < stop; ++i) found |= hit(row[i]) ? 1 : 0;
+    if (!found) continue;
+    for (int64_t i = start; i < stop; ++i) {
+      if (hit(row[i])) return i;
+    }
+  }
+  return -1;
 }
 
 constexpr int64_t kChunk = 256;  // running sums are kept per chunk so the search skips whole chunks
@@ -121,6 +139,27 @@ int pagedserve_logsumexp(const float* logits, float* lse, int64_t rows, int64_t 
 #pragma omp simd reduction(+ : total)
       for (int64_t i = 0; i < vocab; ++i) total += probs[i];
       lse[r] = static_cast<float>(row_max + std::log(total));
+    }
+  });
+  return 0;
+}
+
+// Greedy rows: the index of each fp32 row's largest value, its first occurrence; a row holding NaN gets its
+// first NaN (torch.argmax's answer, which treats NaN as the largest).
+int pagedserve_argmax(const float* logits, int64_t* tokens, int64_t rows, int64_t vocab) {
+  pagedserve::parallel_rows(rows, rows * vocab, kParallelElements, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = logits + r * vocab;
+      float row_max = -INFINITY;
+      int has_nan = 0;
+#pragma omp simd reduction(max : row_max) reduction(| : has_nan)
+      for (int64_t i = 0; i < vocab; ++i) {
+        row_max = row[i] > row_max ? row[i] : row_max;
+        has_nan |= row[i] != row[i] ? 1 : 0;
+      }
+      const int64_t index = has_nan ? first_index(row, vocab, [](float x) { return x != x; })
+                                    : first_index(row, vocab, [row_max](float x) { return x == row_max; });
+      tokens[r] = index < 0 ? 0 : index;
     }
   });
   return 0;
