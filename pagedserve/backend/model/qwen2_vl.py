@@ -82,6 +82,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         """The three positions [3, count] of a request's tokens start .. start + count - 1; `images` are its
         ImageInputs (offset, length, data["image_grid_thw"]) in prompt order."""
         index = torch.arange(start, start + count)
+        if all(image.end <= start for image in images):  # decode: every image behind, one shift for all axes
+            shift = sum(max(_image_grid(image, self.merge)[1:]) - image.length for image in images)
+            return (index + shift).expand(3, count)
         positions = index.expand(3, count).clone()
         shift = 0  # what the images so far moved the text after them by
         for image in images:
