@@ -154,3 +154,15 @@ def test_n3_children_share_the_images(idefics_path, expected):
     while engine.has_unfinished_requests():
         final = next((out for out in engine.step() if out.finished), final)
     assert [list(c.token_ids) for c in final.outputs] == [expected[1]] * 3
+
+
+def test_a_tile_with_padding_is_refused_naming_images():
+    from pagedserve.backend.engine.image_processors import per_image
+
+    pixels, mask = torch.ones(1, 2, 3, 4, 4), torch.ones(1, 2, 4, 4, dtype=torch.long)
+    assert [t["pixel_values"].shape for t in per_image({"pixel_values": pixels, "pixel_attention_mask": mask}, 1)] == [
+        (1, 3, 4, 4)] * 2
+    mask[0, 1, :, 3] = 0
+    with pytest.raises(InvalidRequestError, match="padding") as info:
+        per_image({"pixel_values": pixels, "pixel_attention_mask": mask}, 1)
+    assert info.value.field == "images"
