@@ -71,3 +71,12 @@ def test_lora_adapters_on_fp8_match_each_request_alone(tiny_llama_path, tmp_path
     assert mixed == alone
     base = _tokens(engine, [PROMPTS[0]], greedy(12))[0]
     assert mixed[0] != base, "the adapter changes the output"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_on_fp8_kv_stay_close_to_their_bf16_kv(tiny_llama_path, quantization):
+    from tests.support.kv_cache_dtype import first_token_logits, make_engine, mean_kl, prompts_for
+
+    prompts = prompts_for(300, 8, seed=9)
+    bf16, fp8 = (make_engine(tiny_llama_path, kv, quantization=quantization) for kv in ("auto", "fp8"))
+    assert mean_kl(first_token_logits(bf16, prompts)[0], first_token_logits(fp8, prompts)[0]) <= 1e-2
