@@ -151,6 +151,18 @@ _VLLM_SCRIPT = textwrap.dedent(
 )
 
 
+def vllm_env(python: Path, kv_bytes: int, threads: int) -> dict[str, str]:
+    """The environment of a vLLM-cpu run on `threads` threads (bound from core 0) with a KV space of `kv_bytes`."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_bytes >> 30)),
+           "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+           "OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING"}
+    # vLLM's CPU guide preloads Intel OpenMP, which its wheel ships; give vLLM its best setup.
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
 def run_vllm(python: Path, model: str, dtype: str, workload: Workload, kv_bytes: int,
              max_model_len: int, threads: int) -> RunResult:
     """vLLM's offline LLM.generate on the same folder and workload, in its own venv and process."""
@@ -160,16 +172,9 @@ def run_vllm(python: Path, model: str, dtype: str, workload: Workload, kv_bytes:
                                     "output_lens": workload.output_lens, "max_model_len": max_model_len}))
         script = Path(tmp, "run_vllm.py")
         script.write_text(_VLLM_SCRIPT)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_bytes >> 30)),
-               "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
-               "OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING"}
-        # vLLM's CPU guide preloads Intel OpenMP, which its wheel ships; give vLLM its best setup.
-        iomp = python.parent.parent / "lib" / "libiomp5.so"
-        if iomp.exists():
-            env["LD_PRELOAD"] = str(iomp)
         # From its own folder: vLLM's model inspection runs a subprocess with the working directory on sys.path.
-        proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True, env=env,
-                              cwd=tmp)
+        proc = subprocess.run([str(python), str(script), str(spec)], capture_output=True, text=True,
+                              env=vllm_env(python, kv_bytes, threads), cwd=tmp)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return RunResult(**json.loads(line[len("RESULT "):]))
