@@ -9,7 +9,9 @@ around the model's kernels and linear layers:
 
 Buckets: decode attention (the native kernel), prefill attention (SDPA over the gathered context), the
 paged-cache gather for prefill, KV write + rotary, GEMMs (every nn.Linear, lm_head included), norms,
-activation, sampler, and the rest of the step (Python, scheduling, metadata, embedding).
+activation, the logits' widening to fp32, sampler, the forward's own Python (module calls, kernel dispatch,
+views, embedding), the runner's batch preparation, the scheduler (schedule + update), output processing
+(sequences, stop checks, detokenizing) and the rest of the step.
 
     python bench/profile_step.py                        # bf16 and fp32, one thread
     python bench/profile_step.py --quick --dtypes bf16  # smaller shapes
@@ -34,7 +36,7 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_step.json"
 _clock = time.perf_counter  # --cpu-time: time.process_time (one thread on a shared, loaded box)
 BUCKETS = ("decode_attn", "prefill_attn", "cache_gather", "rotary_kv_write", "gemm", "norm", "activation",
-           "sampler", "other")
+           "logits_cast", "sampler", "forward_py", "prepare", "schedule", "output", "other")
 
 
 class StepTimer:
@@ -101,6 +103,16 @@ def instrument(engine, timer: StepTimer) -> None:
     # Calls look __call__ up on the class, so the sampler's class is patched (this process only).
     sampler_cls = type(engine.core.sampler)
     sampler_cls.__call__ = timer.wrap("sampler", sampler_cls.__call__)
+    kernels.to_float32 = timer.wrap("logits_cast", kernels.to_float32)
+    # The Python of the forward itself: what the model's forward and lm_head take beyond the timed kernels.
+    model.forward = timer.wrap("forward_py", model.forward)
+    model.compute_logits = timer.wrap("forward_py", model.compute_logits)
+    engine.runner._prepare = timer.wrap("prepare", engine.runner._prepare)
+    sched = engine.scheduler
+    sched.schedule = timer.wrap("schedule", sched.schedule)
+    sched.update_from_output = timer.wrap("schedule", sched.update_from_output)
+    for name in ("process", "collect", "claim_rows"):  # sequences, stop checks, detokenizing, RequestOutputs
+        setattr(engine.output, name, timer.wrap("output", getattr(engine.output, name)))
 
 
 def _prompt(rng: torch.Generator, n: int, vocab: int) -> list[int]:
