@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
 import torch
 
 from pagedserve import kernels
-from pagedserve.kernels import dispatch
+from pagedserve.kernels import dispatch, native
 from pagedserve.kernels.activation import cpu as activation_cpu
 from pagedserve.kernels.activation import reference as activation_reference
 from pagedserve.kernels.activation import triton as activation_triton
@@ -30,6 +31,20 @@ CUDA_TENSOR = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))  
 def test_cpu_tensors_take_the_cpu_kernels_by_default(monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_KERNELS", raising=False)
     assert dispatch.backend_for(torch.zeros(1)) is Backend.CPU
+
+
+def test_the_kernel_switches_follow_the_environment_at_run_time(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "torch")
+    assert dispatch.backend_for(torch.zeros(1)) is Backend.TORCH
+    monkeypatch.delenv("PAGEDSERVE_KERNELS")
+    assert dispatch.backend_for(torch.zeros(1)) is Backend.CPU
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "Off")
+    assert not native.enabled() and native.load() is None
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "1")
+    assert native.enabled()
+    # os.environ replaced by another mapping (as some launchers do): the new one is read.
+    monkeypatch.setattr(os, "environ", {**os.environ, "PAGEDSERVE_KERNELS": "torch"})
+    assert dispatch.backend_for(torch.zeros(1)) is Backend.TORCH
 
 
 def test_cuda_tensors_take_triton_and_fall_back_to_torch_without_it(monkeypatch):
