@@ -114,6 +114,9 @@ class Qwen3TokenScorer(Qwen3ForCausalLM):
 
     def bind_score_tokens(self, token_ids: list[int]) -> None:
         """The head takes the tokens' rows; the lm_head is no longer needed."""
+        if self.lm_head.weight.shape[0] != self.config.vocab_size:  # a tensor-parallel rank's vocabulary shard
+            raise UnsupportedModelError("a reranker scored by token logits (classifier_from_token) runs on one "
+                                        "device; set tensor_parallel_size to 1")
         self.pooling_head.bind(self.lm_head.weight.data, token_ids)
         del self.lm_head
 
