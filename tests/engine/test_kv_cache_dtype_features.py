@@ -80,3 +80,15 @@ def test_quantized_weights_on_fp8_kv_stay_close_to_their_bf16_kv(tiny_llama_path
     prompts = prompts_for(300, 8, seed=9)
     bf16, fp8 = (make_engine(tiny_llama_path, kv, quantization=quantization) for kv in ("auto", "fp8"))
     assert mean_kl(first_token_logits(bf16, prompts)[0], first_token_logits(fp8, prompts)[0]) <= 1e-2
+
+
+def test_a_draft_model_on_fp8_kv_equals_decoding_without_it(tiny_llama_path):
+    # The target as its own draft: the draft's cache is fp8 too, so greedy drafts are all accepted.
+    settings = dict(num_blocks=128, max_model_len=256, **FP8)
+    baseline = run(cpu_engine(tiny_llama_path, **settings), PROMPTS, greedy(24))
+    draft = {"method": "draft_model", "model": str(tiny_llama_path), "num_speculative_tokens": 3}
+    engine = cpu_engine(tiny_llama_path, speculative_config=draft, **settings)
+    assert_same(run(engine, PROMPTS, greedy(24)), baseline)
+    assert engine.speculator.runner.key_caches[0].dtype.itemsize == 1
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
