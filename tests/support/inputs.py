@@ -9,6 +9,7 @@ import tritonclient.grpc as grpcclient
 
 _TRITON_DTYPES = {
     np.object_: "BYTES", np.bool_: "BOOL", np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64",
+    np.uint8: "UINT8",
 }
 
 

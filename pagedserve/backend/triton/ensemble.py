@@ -24,12 +24,21 @@ import triton_python_backend_utils as pb_utils
 from pagedserve.backend.core.errors import ErrorKind, InvalidRequestError, from_wire, to_wire
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.detokenizer import detokenize_incrementally
+from pagedserve.backend.triton.ensemble_images import (
+    IMAGE_BYTES,
+    IMAGE_URL,
+    RowImages,
+    image_error_field,
+    row_images,
+)
 from pagedserve.backend.triton.inputs import MAX_PROMPT_BYTES, input_tensors, request_parameters
 from pagedserve.backend.triton.tensors import error_response, string_tensor
 
 LLM_MODEL_NAME = "llm"
 # What the llm model sends on the token-id path, all the ensemble needs to decode a response statelessly.
 _LLM_OUTPUTS = ["output_ids", "prefix_ids", "read_offset", "finish_reason", "cumulative_logprob", "logprobs"]
+# A row with images runs on the llm's text path (its processor expands the placeholders): text, not ids, back.
+_LLM_TEXT_OUTPUTS = ["text_output", "finish_reason", "cumulative_logprob", "logprobs"]
 # TensorRT-LLM ensemble inputs that map one to one onto a SamplingParams name.
 _SAMPLING_INPUTS = (
     "max_tokens",
@@ -68,10 +77,15 @@ class RowInputs:
 
     def values(self, name: str, row: int) -> np.ndarray | None:
         """The elements of input `name` in `row`, flat; None when the input is absent."""
+        array = self.row_array(name, row)
+        return None if array is None else array.reshape(-1)
+
+    def row_array(self, name: str, row: int) -> np.ndarray | None:
+        """Input `name` in `row` with its shape; None when the input is absent."""
         array = self._tensors.get(name)
         if array is None:
             return None
-        return (array[row] if self._batched else array).reshape(-1)
+        return array[row] if self._batched else array
 
     def scalar(self, name: str, row: int) -> Any:
         """The single value of a `[1]` input as a Python number or bool, None when absent."""
@@ -176,23 +190,26 @@ def row_structured_outputs(inputs: RowInputs, row: int) -> dict | None:
     return {kind: schema}
 
 
-def row_error_message(message: str) -> str:
+def row_error_message(message: str, image_field: str | None = None) -> str:
     """An llm error of one row as the ensemble's client should read it: a refusal of the structured_outputs
-    made from the guide names the guide input the client sent."""
+    made from the guide names the guide input the client sent, one of the row's images its image input."""
     wire = from_wire(message)
-    if wire is None or wire.kind is not ErrorKind.INVALID_ARGUMENT or wire.field != "structured_outputs":
+    if wire is None or wire.kind is not ErrorKind.INVALID_ARGUMENT:
         return message
-    return to_wire(InvalidRequestError(wire.message, GUIDE))
+    field = GUIDE if wire.field == "structured_outputs" else image_error_field(wire.field, image_field)
+    return message if field == wire.field else to_wire(InvalidRequestError(wire.message, field))
 
 
 @dataclass
 class EnsembleRow:
     """One validated, tokenized batch row: what its llm request carries."""
 
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None with images: the llm tokenizes `prompt` with its processor
     sampling_parameters: dict[str, Any]
     stream: bool
     exclude_input_in_output: bool
+    prompt: str = ""
+    images: RowImages | None = None
 
 
 def parse_ensemble_request(request: Any, tokenizer: Any) -> list[EnsembleRow]:
@@ -206,11 +223,15 @@ def parse_ensemble_request(request: Any, tokenizer: Any) -> list[EnsembleRow]:
     rows = []
     for row in range(inputs.num_rows):
         try:
+            prompt = inputs.text("text_input", row)
+            images = row_images(inputs.row_array(IMAGE_BYTES, row), inputs.strings(IMAGE_URL, row))
             rows.append(EnsembleRow(
-                prompt_token_ids=tokenizer.encode(inputs.text("text_input", row)),
+                prompt_token_ids=None if images else tokenizer.encode(prompt),
                 sampling_parameters=row_sampling_parameters(inputs, row),
                 stream=bool(inputs.scalar("stream", row)),
                 exclude_input_in_output=bool(inputs.scalar("exclude_input_in_output", row)),
+                prompt=prompt,
+                images=images,
             ))
         except InvalidRequestError as error:
             if inputs.num_rows == 1:
@@ -255,6 +276,17 @@ def decode_llm_response(tokenizer: Any, outputs: dict[str, np.ndarray]) -> Decod
     )
 
 
+def decode_text_response(outputs: dict[str, np.ndarray]) -> DecodedResponse:
+    """One llm response of the text path (a row with images): its text as the llm detokenized it."""
+    logprobs = json.loads(bytes(outputs["logprobs"].reshape(-1)[0]).decode("utf-8") or "[]")
+    return DecodedResponse(
+        text=bytes(outputs["text_output"].reshape(-1)[0]).decode("utf-8"),
+        cumulative_logprob=float(outputs["cumulative_logprob"].reshape(-1)[0]),
+        token_logprobs=[entry["logprob"] for entry in logprobs],
+        final=bool(bytes(outputs["finish_reason"].reshape(-1)[0])),
+    )
+
+
 def load_tokenizer(args: dict) -> Any:
     """The tokenizer named by the model's `tokenizer` parameter (the default model when empty)."""
     from transformers import AutoTokenizer
@@ -282,17 +314,20 @@ def ensemble_output_tensors(decoded: DecodedResponse, row: int) -> list:
 
 
 def _llm_request(row: EnsembleRow) -> Any:
-    """The BLS request that runs one row on the llm model."""
-    return pb_utils.InferenceRequest(
-        model_name=LLM_MODEL_NAME,
-        inputs=[
-            pb_utils.Tensor("input_ids", np.asarray(row.prompt_token_ids, dtype=np.int32)),
-            string_tensor("sampling_parameters", [json.dumps(row.sampling_parameters)]),
-            pb_utils.Tensor("stream", np.asarray([row.stream])),
-            pb_utils.Tensor("exclude_input_in_output", np.asarray([row.exclude_input_in_output])),
-        ],
-        requested_output_names=_LLM_OUTPUTS,
-    )
+    """The BLS request that runs one row on the llm model: token ids, or the prompt text with the images."""
+    inputs = [
+        string_tensor("sampling_parameters", [json.dumps(row.sampling_parameters)]),
+        pb_utils.Tensor("stream", np.asarray([row.stream])),
+        pb_utils.Tensor("exclude_input_in_output", np.asarray([row.exclude_input_in_output])),
+    ]
+    if row.images is None:
+        inputs.append(pb_utils.Tensor("input_ids", np.asarray(row.prompt_token_ids, dtype=np.int32)))
+        return pb_utils.InferenceRequest(model_name=LLM_MODEL_NAME, inputs=inputs, requested_output_names=_LLM_OUTPUTS)
+    inputs += [string_tensor("text_input", [row.prompt]), string_tensor("image", row.images.files)]
+    inputs += [pb_utils.Tensor(flag, np.asarray([True])) for flag in
+               ("return_finish_reason", "return_cumulative_logprob", "return_logprobs")]
+    return pb_utils.InferenceRequest(model_name=LLM_MODEL_NAME, inputs=inputs,
+                                     requested_output_names=_LLM_TEXT_OUTPUTS)
 
 
 class BatchResponder:
@@ -364,12 +399,14 @@ class EnsembleModel:
         try:
             for response in _llm_request(row).exec(decoupled=True):
                 if response.has_error():
-                    responder.fail(index, row_error_message(response.error().message()), response.error().code())
+                    message = row_error_message(response.error().message(), row.images and row.images.field)
+                    responder.fail(index, message, response.error().code())
                     continue
                 outputs = {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
                 if not outputs:
                     continue  # the llm's flags-only final response
-                decoded = decode_llm_response(self.tokenizer, outputs)
+                decoded = (decode_text_response(outputs) if row.images else
+                           decode_llm_response(self.tokenizer, outputs))
                 responder.send(index, ensemble_output_tensors(decoded, index), last=decoded.final)
         except Exception as error:  # noqa: BLE001 - the row still ends, with the reason
             responder.fail(index, to_wire(error), pb_utils.TritonError.INTERNAL)
@@ -405,6 +442,10 @@ class PreprocessingModel(_TokenizerStep):
     def _one(self, request: Any) -> Any:
         try:
             inputs = RowInputs(request, batched=False)
+            for name in (IMAGE_BYTES, IMAGE_URL):
+                if inputs.has(name):  # the llm takes images only beside a text prompt, which it tokenizes
+                    raise InvalidRequestError(f"{name}: input_ids carry no image; send images through the ensemble "
+                                              "or the llm model's image input", name)
             text = inputs.text("text_input", 0)
             settings = row_sampling_parameters(inputs, 0)
             ids = self.tokenizer.encode(text)
