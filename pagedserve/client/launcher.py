@@ -430,7 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the models")
     add_engine_arguments(parser.add_argument_group("engine parameters (the llm model's config.pbtxt parameters)"))
     add_lora_arguments(parser)
-    add_media_arguments(parser)
+    add_media_arguments(parser, limit_flag=False)  # --limit-mm-per-prompt: the engine parameter's flag above
     fleet.add_arguments(parser)
 
 

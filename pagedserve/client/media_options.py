@@ -2,8 +2,9 @@
 which hosts an http(s) `image_url` may be fetched from (vLLM's `--allowed-media-domains`; none by default), the
 fetch's size and time limits, and `--limit-mm-per-prompt` as vLLM spells it (`'{"image": N}'`).
 
-limit_mm_per_prompt is a shim flag, not an engine parameter: the shim counts a request's images before any is
-fetched or sent; the llm model's own cap (triton/image_inputs.py MAX_IMAGES) bounds it."""
+limit_mm_per_prompt is also an engine parameter (core/config.py; `serve`'s --limit-mm-per-prompt is that one's flag,
+handed to the shim as well): the shim counts a request's images before any is fetched or sent, by its flag or else
+the llm model's parameter; the llm model's own cap (triton/image_inputs.py MAX_IMAGES) bounds it."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def _positive(kind: type) -> object:
     return parse
 
 
-def add_media_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the media flags (the shim's and `serve`'s, the same names)."""
+def add_media_arguments(parser: argparse.ArgumentParser, limit_flag: bool = True) -> None:
+    """Register the media flags (the shim's and `serve`'s, the same names); `limit_flag` false leaves out
+    --limit-mm-per-prompt (serve has the engine parameter's flag of that name)."""
     group = parser.add_argument_group("images (the OpenAI shim)")
     group.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                        help="http(s) image_url hosts the shim may fetch from (none by default: only data: URLs); "
@@ -56,9 +58,10 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="SECONDS", help="seconds one image_url fetch may take")
     group.add_argument("--media-max-bytes", type=_positive(int), default=DEFAULT_MEDIA_MAX_BYTES, metavar="BYTES",
                        help="the largest image an image_url fetch may return")
-    group.add_argument("--limit-mm-per-prompt", type=limit_mm_per_prompt, default=None, metavar="JSON",
-                       help=f'at most N images a request, as vLLM: \'{{"image": N}}\' (default and most: '
-                            f"{MAX_IMAGES_PER_PROMPT})")
+    if limit_flag:
+        group.add_argument("--limit-mm-per-prompt", type=limit_mm_per_prompt, default=None, metavar="JSON",
+                           help=f'at most N images a request, as vLLM: \'{{"image": N}}\' (default: the llm '
+                                f"model's limit_mm_per_prompt; most: {MAX_IMAGES_PER_PROMPT})")
 
 
 def media_shim_flags(args: argparse.Namespace) -> list[str]:
@@ -68,8 +71,9 @@ def media_shim_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--media-fetch-timeout", str(args.media_fetch_timeout)]
     if args.media_max_bytes != DEFAULT_MEDIA_MAX_BYTES:
         flags += ["--media-max-bytes", str(args.media_max_bytes)]
-    if args.limit_mm_per_prompt is not None:
-        flags += ["--limit-mm-per-prompt", json.dumps(args.limit_mm_per_prompt)]
+    limit = getattr(args, "limit_mm_per_prompt", None)  # serve's engine flag gives the JSON text
+    if limit is not None:
+        flags += ["--limit-mm-per-prompt", limit if isinstance(limit, str) else json.dumps(limit)]
     return flags
 
 

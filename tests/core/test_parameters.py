@@ -207,7 +207,7 @@ def test_from_pretrained_takes_every_parameter_into_its_config():
                "gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "max_num_seqs": 4,
                "max_num_batched_tokens": 64, "max_model_len": 128, "max_num_waiting": 5,
                "scheduling_policy": "priority", "max_num_encoder_input_tokens": 16,
-               "encoder_cache_size": 64, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
+               "encoder_cache_size": 64, "limit_mm_per_prompt": {"image": 2}, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
                "max_cpu_loras": 3, "kv_events_config": {"enable_kv_cache_events": True},
                "data_parallel_rank": 1, "kv_cache_dtype": "fp8_e5m2"}
     assert set(options) == set(CONFIG_FIELDS[ModelConfig] + CONFIG_FIELDS[CacheConfig]

@@ -102,6 +102,14 @@ class SchedulerConfig:
     encoder_cache_size: int | None = param(
         None, "image embedding rows kept between steps, for images not yet prefilled and repeated ones "
         "(default: 4 x the encoder budget, at least 8192)")
+    limit_mm_per_prompt: dict | None = param(
+        None, 'at most N images one prompt may carry, vLLM\'s JSON: {"image": N} (default: no limit of the '
+        "engine's; the llm model's image input takes at most 16); more are refused naming images")
+
+    @property
+    def image_limit(self) -> int | None:
+        """The images one prompt may carry (limit_mm_per_prompt); None: no limit."""
+        return None if self.limit_mm_per_prompt is None else self.limit_mm_per_prompt.get("image")
 
     @property
     def encoder_budget(self) -> int:
@@ -121,6 +129,13 @@ class SchedulerConfig:
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
+        if self.limit_mm_per_prompt is not None:  # a config.pbtxt parameter or a flag gives it as JSON text
+            self.limit_mm_per_prompt = json_object(self.limit_mm_per_prompt, "limit_mm_per_prompt", ConfigError)
+            for modality, count in self.limit_mm_per_prompt.items():
+                if modality != "image":
+                    raise ConfigError(f"limit_mm_per_prompt: unknown modality {modality!r}; pagedserve takes "
+                                      "image", "limit_mm_per_prompt")
+                _check_int("limit_mm_per_prompt", count, 0)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",

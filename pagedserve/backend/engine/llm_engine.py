@@ -74,7 +74,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_config.model)
         # A vision-language model's processor (engine/multimodal.py); None for a text-only model.
         image_token_id = getattr(arch, "image_token_id", None)
-        self.image_processor = None if image_token_id is None else ImageProcessor(model_config.model, image_token_id)
+        self.image_processor = None if image_token_id is None else ImageProcessor(
+            model_config.model, image_token_id, scheduler_config.image_limit)
         self.eos_token_ids: set[int] = load_eos_token_ids(model_config.model, arch, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.core = EngineCore(model_config, cache_config, scheduler_config, self.eos_token_ids, self.structured,

@@ -31,9 +31,10 @@ class ProcessedPrompt:
 class ImageProcessor:
     """The model folder's processor (loaded on first use) and the image token its placeholders expand into."""
 
-    def __init__(self, model_path: str, image_token_id: int):
+    def __init__(self, model_path: str, image_token_id: int, max_images: int | None = None):
         self.model_path = model_path
         self.image_token_id = image_token_id
+        self.max_images = max_images  # limit_mm_per_prompt's image count; None: no limit of the engine's
         self._processor: Any = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -58,7 +59,11 @@ class ImageProcessor:
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("a prompt with images must be a non-empty text prompt holding the "
                                       "model's image placeholders", "prompt")
-        pictures = [decode_image(image, index) for index, image in enumerate(_as_list(images))]
+        images = _as_list(images)
+        if self.max_images is not None and len(images) > self.max_images:  # checked before any is decoded
+            raise InvalidRequestError(f"at most {self.max_images} image(s) may be provided in one prompt "
+                                      f"(limit_mm_per_prompt), got {len(images)}", FIELD)
+        pictures = [decode_image(image, index) for index, image in enumerate(images)]
         processor = self.processor()
         placeholder = getattr(processor, "image_token", None)
         if placeholder is not None and prompt.count(placeholder) != len(pictures):

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         responses_store_size=args.responses_store_size,
         responses_store_max_age_s=args.responses_store_max_age,
         media=MediaSettings(tuple(args.allowed_media_domains), args.media_fetch_timeout, args.media_max_bytes,
-                            image_limit(args)),
+                            image_limit(args) if args.limit_mm_per_prompt is not None else None),
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
     return 0

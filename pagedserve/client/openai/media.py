@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
+import json
 import socket
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -23,6 +26,7 @@ from pagedserve.client.media_options import (
     MAX_IMAGES_PER_PROMPT,
 )
 from pagedserve.client.openai.errors import bad_request
+from pagedserve.client.triton_client import TritonUnavailableError
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -35,7 +39,7 @@ class MediaSettings:
     allowed_domains: tuple[str, ...] = ()
     fetch_timeout_s: float = DEFAULT_MEDIA_FETCH_TIMEOUT_S
     max_bytes: int = DEFAULT_MEDIA_MAX_BYTES
-    image_limit: int = MAX_IMAGES_PER_PROMPT
+    image_limit: int | None = MAX_IMAGES_PER_PROMPT  # None: the llm model's limit_mm_per_prompt (image_limit_of)
 
     def allowed(self) -> tuple[frozenset[str], tuple[Network, ...]]:
         """The listed host names (lower case) and the listed addresses as networks."""
@@ -48,11 +52,36 @@ class MediaSettings:
         return frozenset(names), tuple(networks)
 
 
-async def resolve_images(images: list[str], params: list[str], settings: MediaSettings) -> list[str]:
+_LLM_IMAGE_LIMITS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+async def image_limit_of(shim: Any) -> int:
+    """The images a request may carry: --limit-mm-per-prompt's, else the llm model's limit_mm_per_prompt parameter
+    read once (the llm's cap while it is unset, not JSON, or Triton cannot be asked)."""
+    if shim.settings.media.image_limit is not None:
+        return shim.settings.media.image_limit
+    if shim not in _LLM_IMAGE_LIMITS:
+        try:
+            text = (await shim.client.model_parameters()).get("limit_mm_per_prompt", "").strip()
+        except TritonUnavailableError:
+            return MAX_IMAGES_PER_PROMPT
+        try:
+            limit = json.loads(text).get("image", MAX_IMAGES_PER_PROMPT) if text else MAX_IMAGES_PER_PROMPT
+        except (json.JSONDecodeError, AttributeError):
+            limit = MAX_IMAGES_PER_PROMPT  # the engine refuses such a value at load
+        _LLM_IMAGE_LIMITS[shim] = min(limit, MAX_IMAGES_PER_PROMPT) if isinstance(limit, int) else MAX_IMAGES_PER_PROMPT
+    return _LLM_IMAGE_LIMITS[shim]
+
+
+async def resolve_images(images: list[str], params: list[str], settings: MediaSettings,
+                         limit: int | None = None) -> list[str]:
     """The request's images as base64 files: data URL payloads as they are, http(s) URLs fetched (together).
-    More images than the limit are refused naming `messages` before anything is fetched."""
-    if len(images) > settings.image_limit:
-        raise bad_request(f"at most {settings.image_limit} image(s) may be provided in one prompt "
+    More images than the limit (`limit`, else the settings') are refused naming `messages` before anything is
+    fetched."""
+    limit = limit if limit is not None else settings.image_limit
+    limit = MAX_IMAGES_PER_PROMPT if limit is None else limit
+    if len(images) > limit:
+        raise bad_request(f"at most {limit} image(s) may be provided in one prompt "
                           f"(limit_mm_per_prompt), got {len(images)}", "messages")
     fetches = {i: fetch_image(url, params[i], settings) for i, url in enumerate(images) if is_http_url(url)}
     if not fetches:

@@ -7,7 +7,7 @@ from pagedserve.client.openai.chat_options import echoed_text
 from pagedserve.client.openai.formats import chat_logprobs
 from pagedserve.client.openai.generation import ChoiceState, Generation, SequenceUpdate
 from pagedserve.client.openai.images import with_placeholders
-from pagedserve.client.openai.media import resolve_images
+from pagedserve.client.openai.media import image_limit_of, resolve_images
 from pagedserve.client.openai.protocol import ChatRequest, parse_chat_request
 from pagedserve.client.openai.reasoning import Split
 from pagedserve.client.openai.reasoning.choice import ChoiceReasoning
@@ -54,7 +54,8 @@ class ChatGeneration(Generation):
         end_ids = [] if parser is None else await shim.reasoning_end_ids(parser)
         request.reasoning = reasoning_request(parser, request.reasoning_fields, prompt, request.sampling, end_ids)
         prompt = with_placeholders(prompt, await shim.model_dir())  # each image part's marker: the model's own
-        request.images = await resolve_images(request.images, request.image_params, shim.settings.media)
+        request.images = await resolve_images(request.images, request.image_params, shim.settings.media,
+                                              await image_limit_of(shim) if request.images else None)
         request.stream_upstream = request.reasoning is not None  # per-step counts: the reasoning's tokens
         return [prompt]
 
