@@ -397,7 +397,8 @@ QWEN_VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # one image's placeholder in a prompt
 
 
-def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0, *, qwen2: bool = False) -> Path:
+def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0, *, qwen2: bool = False,
+                         text_sizes: dict[str, Any] | None = None, vision_sizes: dict[str, Any] | None = None) -> Path:
     """Save a tiny random-weight Qwen2_5_VLForConditionalGeneration (a 4-block ViT with 14-pixel patches, windows
     of 2x2 merged patches, full attention in blocks 1 and 3; M-RoPE sections [2, 3, 3]) with transformers'
     Qwen2-VL image processor (Pillow; images kept between 56x56 and 224x224 pixels) and the tiny tokenizer with
@@ -431,6 +432,7 @@ def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0, *, qwen2: bool = False
     if qwen2:
         vision = dict(depth=4, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2)
+    text, vision = {**text, **(text_sizes or {})}, {**vision, **(vision_sizes or {})}  # a benchmark's larger one
     prefix = "Qwen2VL" if qwen2 else "Qwen2_5_VL"
     config = getattr(transformers, f"{prefix}Config")(text_config=text, vision_config=vision, **token, **ids)
     torch.manual_seed(seed)
@@ -443,7 +445,8 @@ IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
     f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)]
 
 
-def make_tiny_idefics3(path: str | Path, seed: int = 0) -> Path:
+def make_tiny_idefics3(path: str | Path, seed: int = 0, *, text_sizes: dict[str, Any] | None = None,
+                       vision_sizes: dict[str, Any] | None = None) -> Path:
     """Save a tiny random-weight Idefics3ForConditionalGeneration (SmolVLM's layout: a 3-layer SigLIP tower over
     56-pixel tiles of 14-pixel patches, pixel shuffle by 2: 4 tokens a tile; a Llama decoder) with transformers'
     Idefics3Processor (its Pillow image processor: images resized to a longest edge of 112, so up to 2x2 tiles
@@ -465,6 +468,7 @@ def make_tiny_idefics3(path: str | Path, seed: int = 0) -> Path:
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, **ids)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56,
                   patch_size=14)
+    text, vision = {**text, **(text_sizes or {})}, {**vision, **(vision_sizes or {})}  # a benchmark's larger one
     config = transformers.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
                                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **ids)
     torch.manual_seed(seed)
