@@ -377,7 +377,10 @@ void tile_rows(const Problem& p, const uint8_t* q, int64_t tile, int64_t row0, T
   VecF acc[ROWS] = {};
   VecF part[ROWS];
   const float* x = p.x + row0 * p.k;
+  const int64_t group_bytes = p.tile_bytes / p.groups;
   for (int64_t g = 0; g < p.groups; ++g) {
+    // The next tile's group, a tile ahead of the reads: at decode the weight streams from memory once per call.
+    for (int64_t b = 0; b < group_bytes; b += 64) __builtin_prefetch(q + p.tile_bytes + g * group_bytes + b, 0, 2);
     group_dot<ROWS, BITS>(q, *p.tables, x, p.xb == nullptr ? nullptr : p.xb + row0 * p.k, p.k, g * p.group_size,
                           p.group_size, part);
     const VecF scale = load_params(p, p.scales, p.scale_super, tile, g);
