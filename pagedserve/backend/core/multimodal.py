@@ -55,6 +55,10 @@ class EncoderCache:
         self._new: dict[str, ImageInput] = {}
         self._evicted: list[str] = []
         self.num_encoded = 0  # images handed to the encoder so far
+        # vLLM's vllm:mm_cache_queries / _hits: images a request reaches (again after a preemption), and those
+        # whose embeddings were cached or encoded for an earlier occurrence in the same step.
+        self.num_queries = 0
+        self.num_hits = 0
 
     def __contains__(self, content_hash: str) -> bool:
         return content_hash in self._size
@@ -151,10 +155,17 @@ class StepEncoderCache(EncoderCache):
     def commit(self, request_id: str, images: Sequence[ImageInput], start: int) -> None:
         """Record the chunk just planned as scheduled: its new images listed for encoding, the cached ones
         held."""
+        missed = {image.content_hash for image in self._planned if image.content_hash not in self}
         for image in self._planned:
             if image.content_hash not in self:
                 self.add(request_id, image)
         for image in images_in(images, start, self._planned_end):
+            if image.offset >= start:  # reached now, not continued from an earlier chunk
+                self.num_queries += 1
+                if image.content_hash in missed:
+                    missed.discard(image.content_hash)
+                else:
+                    self.num_hits += 1
             self.hold(request_id, image.content_hash)
         self.remaining -= self._planned_rows
         self._planned, self._planned_rows = [], 0

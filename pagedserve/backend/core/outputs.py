@@ -58,6 +58,8 @@ class EngineStats:
     generation_tokens: int = 0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    mm_cache_queries: int = 0  # images looked up in the encoder cache (vLLM's vllm:mm_cache_queries)
+    mm_cache_hits: int = 0  # of those, found there: not encoded again
     spec_decode_num_drafts: int = 0  # sequences' draft runs verified (vLLM's spec_decode_num_drafts)
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

@@ -343,6 +343,8 @@ class LLMEngine:
             kv_cache_usage=sch.kv_cache_usage(),
             prefix_cache_queries=sch.prefix_cache_queries,
             prefix_cache_hits=sch.prefix_cache_hits,
+            mm_cache_queries=sch.encoder_cache.num_queries,
+            mm_cache_hits=sch.encoder_cache.num_hits,
             num_preemptions=sch.num_preemptions,
             prompt_tokens=self.output.prompt_tokens,
             generation_tokens=self.output.generation_tokens,

@@ -17,6 +17,8 @@ _LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _COUNTERS = {
     "prefix_cache_queries": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "mm_cache_queries": ("vllm:mm_cache_queries", "Images looked up in the encoder cache."),
+    "mm_cache_hits": ("vllm:mm_cache_hits", "Images found in the encoder cache (not encoded again)."),
     "num_preemptions": ("vllm:num_preemptions_total", "Requests preempted (recomputed) for lack of KV blocks."),
     "prompt_tokens": ("vllm:prompt_tokens_total", "Prompt tokens processed."),
     "generation_tokens": ("vllm:generation_tokens_total", "Tokens generated."),
