@@ -40,6 +40,10 @@ def test_a_repeated_image_is_a_hit_and_another_image_a_miss(llava_path):
     assert _run(engine, "b", "Now say what <image> shows.", [_png(0)]) == (2, 1, 1)
     assert _run(engine, "c", "And what <image> shows.", [_png(1)]) == (3, 1, 2)
     assert _run(engine, "d", "Both <image> and <image> again.", [_png(2), _png(2)]) == (5, 2, 3)
+    # The same prompt and image: the prefix cache holds the first block, the image's rest still needs its
+    # embeddings, so it is looked up (and found).
+    assert _run(engine, "e", "Describe <image> briefly.", [_png(0)]) == (6, 3, 3)
+    assert engine.get_stats().prefix_cache_hits > 0
 
 
 def test_an_image_cut_by_chunked_prefill_is_one_query(llava_path):

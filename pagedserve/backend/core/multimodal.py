@@ -156,11 +156,12 @@ class StepEncoderCache(EncoderCache):
         """Record the chunk just planned as scheduled: its new images listed for encoding, the cached ones
         held."""
         missed = {image.content_hash for image in self._planned if image.content_hash not in self}
+        held = set(self._held_by.get(request_id, ()))  # images the request's earlier chunks reached
         for image in self._planned:
             if image.content_hash not in self:
                 self.add(request_id, image)
         for image in images_in(images, start, self._planned_end):
-            if image.offset >= start:  # reached now, not continued from an earlier chunk
+            if image.content_hash not in held:  # reached now (after a prefix hit too), not continued
                 self.num_queries += 1
                 if image.content_hash in missed:
                     missed.discard(image.content_hash)
