@@ -95,3 +95,14 @@ def test_the_preprocessing_step_refuses_images_naming_the_input(llava_server):
     values = {"text_input": np.array([PROMPT.encode()], dtype=np.object_), "image_url_input": _url(_png(0))[0]}
     result = llava_server.grpc_stream("preprocessing", values)
     assert result.error is not None and "field=image_url_input" in str(result.error)
+
+
+def test_the_encoder_cache_counters_reach_the_metrics_port(llava_server):
+    before = (llava_server.metric("vllm:mm_cache_queries"), llava_server.metric("vllm:mm_cache_hits"))
+    png = base64.b64encode(_png(5)).decode()
+    for prompt in ("First <image> seen.", "Again <image> seen."):  # other text first: no prefix hit skips it
+        assert _text(llava_server, "llm", {"text_input": prompt, "image": [png],
+                                            "sampling_parameters": {"max_tokens": 2}})
+    llava_server.wait_idle()
+    after = (llava_server.metric("vllm:mm_cache_queries"), llava_server.metric("vllm:mm_cache_hits"))
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)
