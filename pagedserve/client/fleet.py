@@ -133,10 +133,9 @@ def plan_replicas(size: int, params: dict[str, str]) -> list[ReplicaPlan]:
     return plans
 
 
-def router_command(args: argparse.Namespace, plans: Sequence[ReplicaPlan], model_name: str,
+def router_command(args: argparse.Namespace, plans: Sequence[ReplicaPlan], tokenizer: Path,
                    events: tuple[str, str] | None, block_size: int, prometheus_port: int) -> list[str]:
-    """vllm-router's command line for the fleet; `model_name`: the served name, which kv_aware keys its index by
-    (a request naming another model gets no token ids: least-load fallback)."""
+    """vllm-router's command line for the fleet."""
     from pagedserve.backend.core.kv_events import offset_endpoint
 
     cmd = [router_binary(), "--host", args.host, "--port", str(args.openai_port),
@@ -147,16 +146,8 @@ def router_command(args: argparse.Namespace, plans: Sequence[ReplicaPlan], model
             endpoint, replay = (offset_endpoint(e, plan.rank).replace("*", "127.0.0.1") for e in events)
             cmd += ["--kv-event-source", f"{plan.worker_url}={endpoint}",
                     "--kv-event-replay-source", f"{plan.worker_url}={replay}"]
-        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", str(model_name)]
+        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", str(tokenizer)]
     return cmd
-
-
-def _served_name(worker_url: str) -> str:
-    """The model name a replica's shim serves (its /v1/models' first)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{worker_url}/v1/models", timeout=30) as reply:
-        return json.loads(reply.read())["data"][0]["id"]
 
 
 def pinned(command: list[str], cores: Sequence[int]) -> list[str]:
@@ -235,6 +226,7 @@ def run(args: argparse.Namespace, params: dict[str, str], model: str, naming: Se
     import tempfile
 
     from pagedserve.client import launcher
+    from pagedserve.client.model_repository import tokenizer_folder
 
     size = args.data_parallel_size
     events = None
@@ -250,7 +242,7 @@ def run(args: argparse.Namespace, params: dict[str, str], model: str, naming: Se
         root = Path(tmp)
         try:
             _start_replicas(args, plans, model, naming, root, servers, shims)
-            command = router_command(args, plans, _served_name(plans[0].worker_url), events, block_size,
+            command = router_command(args, plans, tokenizer_folder(model), events, block_size,
                                      launcher.free_loopback_ports(1)[0])
             router = start_router(command, root / "router.log")
             public = f"http://{launcher._client_host(args.host)}:{args.openai_port}"
