@@ -62,6 +62,23 @@ def test_data_parallel_ranks_offset_the_port_as_vllm_does():
     assert offset_endpoint(None, 1) is None
 
 
+def test_a_ranked_engine_publishes_on_its_offset_port_as_its_own_servers_rank_0():
+    port = _free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port - 1}", topic="kv")
+    publisher = ZmqEventPublisher(config, data_parallel_rank=1)
+    try:
+        assert publisher.endpoint == f"tcp://*:{port}"
+        sub = _subscribe(f"tcp://127.0.0.1:{port}", b"kv")
+        deadline = time.monotonic() + 5
+        while not sub.poll(50):
+            assert time.monotonic() < deadline, "no batch reached the subscriber"
+            publisher.publish([BlockRemoved([0])])
+        _, _, payload = sub.recv_multipart()
+        assert msgpack.unpackb(payload)[2] == 0
+    finally:
+        publisher.shutdown()
+
+
 def test_subscribers_get_numbered_batches_and_a_late_one_catches_up_by_replay():
     port = _free_port()
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",

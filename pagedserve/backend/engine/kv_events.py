@@ -63,7 +63,10 @@ class ZmqEventPublisher:
         import zmq
 
         self._config = config
-        self._rank = data_parallel_rank
+        # Every pagedserve engine is a server of its own, so its batches carry rank 0 (the rank within that server,
+        # as a separate vLLM server's do: vllm-router reads each static source as rank 0 and drops other ranks'
+        # batches); data_parallel_rank still offsets the ports and labels the metrics.
+        self._rank = 0
         self._queue: queue.Queue[tuple[float, list[KVEvent]] | None] = queue.Queue(config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._next_seq = 0
