@@ -74,3 +74,13 @@ def tiny_linear_rope_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_reference() -> HFReference:
     """A session-wide transformers oracle."""
     return HFReference()
+
+
+# Files that start real servers first: with `-n 2 --dist loadfile` xdist hands out files in collection order, and
+# the server files (alphabetically last) otherwise ran at the end with one worker idle beside them.
+_SERVER_FOLDERS = ("server", "reliability")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Server files before the rest; a stable sort, so each file keeps its own tests' order."""
+    items.sort(key=lambda item: item.path.parent.name not in _SERVER_FOLDERS)
