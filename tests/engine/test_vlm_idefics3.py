@@ -18,6 +18,7 @@ from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import ModelArchConfig, load_model
 from pagedserve.backend.model.idefics3 import Idefics3Family
 from pagedserve.testing import make_tiny_idefics3, tiny_image
+from tests.support.vlm import Prompts, greedy_tokens, transformers_greedy, vlm_engine
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -43,31 +44,15 @@ def reference(idefics_path: Path) -> transformers.Idefics3ForConditionalGenerati
 @pytest.fixture(scope="module")
 def expected(idefics_path: Path, reference) -> list[list[int]]:
     """transformers' greedy continuation of each prompt with its images."""
-    processor = transformers.AutoProcessor.from_pretrained(idefics_path, local_files_only=True)
-    outs = []
-    for prompt, images in PROMPTS:
-        inputs = processor(text=prompt, images=[images], return_tensors="pt")
-        out = reference.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        outs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-    return outs
+    return transformers_greedy(reference, transformers.AutoProcessor.from_pretrained(idefics_path, local_files_only=True), PROMPTS, MAX_NEW, nested=True)
 
 
-def _engine(path: Path, **kwargs: Any) -> LLMEngine:
-    return LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", max_model_len=256, **kwargs)
+_engine = vlm_engine
 
 
-def _run(engine: LLMEngine, prompts: list[tuple[str, list[Any]]], prefix: str = "r") -> list[list[int]]:
+def _run(engine: LLMEngine, prompts: Prompts, prefix: str = "r") -> list[list[int]]:
     """Each prompt's greedy token ids, all queued at once."""
-    ids = [f"{prefix}{i}" for i in range(len(prompts))]
-    for rid, (prompt, images) in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, GREEDY, images=images)
-    final = {}
-    while len(final) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [list(final[rid].outputs[0].token_ids) for rid in ids]
+    return greedy_tokens(engine, prompts, GREEDY, prefix)
 
 
 def test_tile_features_equal_get_image_features(idefics_path: Path, reference) -> None:

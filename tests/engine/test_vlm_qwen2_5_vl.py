@@ -19,6 +19,7 @@ from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.backend.model import ModelArchConfig, UnsupportedModelError, load_model
 from pagedserve.backend.worker.multimodal import EncoderRunner
 from pagedserve.testing import QWEN_VL_IMAGE, make_tiny_qwen2_5_vl, tiny_image
+from tests.support.vlm import Prompts, greedy_tokens, transformers_greedy, vlm_engine
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -44,31 +45,15 @@ def reference(qwen_path: Path) -> transformers.Qwen2_5_VLForConditionalGeneratio
 @pytest.fixture(scope="module")
 def expected(qwen_path: Path, reference) -> list[list[int]]:
     """transformers' greedy continuation of each prompt with its images."""
-    processor = load_processor(str(qwen_path))
-    outs = []
-    for prompt, images in PROMPTS:
-        inputs = processor(text=prompt, images=images, return_tensors="pt")
-        out = reference.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        outs.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-    return outs
+    return transformers_greedy(reference, load_processor(str(qwen_path)), PROMPTS, MAX_NEW)
 
 
-def _engine(path: Path, **kwargs: Any) -> LLMEngine:
-    return LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", max_model_len=256, **kwargs)
+_engine = vlm_engine
 
 
-def _run(engine: LLMEngine, prompts: list[tuple[str, list[Any]]], prefix: str = "r") -> list[list[int]]:
+def _run(engine: LLMEngine, prompts: Prompts, prefix: str = "r") -> list[list[int]]:
     """Each prompt's greedy token ids, all queued at once."""
-    ids = [f"{prefix}{i}" for i in range(len(prompts))]
-    for rid, (prompt, images) in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, GREEDY, images=images)
-    final = {}
-    while len(final) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [list(final[rid].outputs[0].token_ids) for rid in ids]
+    return greedy_tokens(engine, prompts, GREEDY, prefix)
 
 
 def test_processor_is_transformers_own_without_torchvision(qwen_path: Path) -> None:
