@@ -17,6 +17,7 @@ from pagedserve.backend.core.errors import InvalidRequestError
 from pagedserve.backend.core.sampling_params import SamplingParams
 from pagedserve.backend.engine.llm_engine import LLMEngine
 from pagedserve.testing import make_tiny_llava, tiny_image
+from tests.support.vlm import Prompts, completions, vlm_engine
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -54,22 +55,13 @@ def llava_engine(llava_path: Path) -> LLMEngine:
     return _engine(llava_path)
 
 
-def _engine(path: Path, **kwargs: Any) -> LLMEngine:
-    return LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", max_model_len=256, **kwargs)
+_engine = vlm_engine
 
 
-def _run(engine: LLMEngine, prompts: list[tuple[str, list[Any]]], params: SamplingParams = GREEDY,
+def _run(engine: LLMEngine, prompts: Prompts, params: SamplingParams = GREEDY,
          prefix: str = "r") -> list[list[list[int]]]:
     """Each prompt's completions' token ids (n of them), all queued at once."""
-    ids = [f"{prefix}{i}" for i in range(len(prompts))]
-    for rid, (prompt, images) in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params, images=images)
-    final = {}
-    while len(final) < len(ids):
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [[list(c.token_ids) for c in final[rid].outputs] for rid in ids]
+    return completions(engine, prompts, params, prefix)
 
 
 def test_greedy_tokens_equal_transformers_for_one_and_two_images(llava_path, expected):

@@ -17,8 +17,8 @@ def vlm_engine(path: Path, **kwargs: Any) -> LLMEngine:
     return LLMEngine.from_pretrained(str(path), dtype="float32", device="cpu", max_model_len=256, **kwargs)
 
 
-def greedy_tokens(engine: LLMEngine, prompts: Prompts, params: SamplingParams, prefix: str = "r") -> list[list[int]]:
-    """Each prompt's token ids under `params`, all queued at once."""
+def completions(engine: LLMEngine, prompts: Prompts, params: SamplingParams, prefix: str = "r") -> list[list[list[int]]]:
+    """Each prompt's completions' token ids (n of them) under `params`, all queued at once."""
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for rid, (prompt, images) in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params, images=images)
@@ -27,7 +27,12 @@ def greedy_tokens(engine: LLMEngine, prompts: Prompts, params: SamplingParams, p
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    return [list(final[rid].outputs[0].token_ids) for rid in ids]
+    return [[list(c.token_ids) for c in final[rid].outputs] for rid in ids]
+
+
+def greedy_tokens(engine: LLMEngine, prompts: Prompts, params: SamplingParams, prefix: str = "r") -> list[list[int]]:
+    """Each prompt's first completion's token ids under `params`, all queued at once."""
+    return [first for first, *_ in completions(engine, prompts, params, prefix)]
 
 
 def transformers_greedy(reference: Any, processor: Any, prompts: Prompts, max_new: int,
