@@ -80,6 +80,8 @@ class Attention(nn.Module):
                meta: AttentionMetadata) -> torch.Tensor:  # -> [T, Hq, D]
         """Causal attention of Q over each sequence's cached K/V (the keys of its window, for a sliding layer)."""
         key_cache, value_cache = kv_cache
+        # Gemma 3's image runs see each other both ways; the keyword only when a step has one.
+        extra = {} if meta.bidirectional_ranges is None else {"bidirectional_ranges": meta.bidirectional_ranges}
         return kernels.paged_attention(
             q,
             key_cache,
@@ -94,6 +96,7 @@ class Attention(nn.Module):
             logits_soft_cap=self.logits_soft_cap,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            **extra,
         )
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from pagedserve.kernels import kv8
 
 SUPPORTS_FP8_KV = True  # the oracle reads an fp8 cache by kv8.dequantize after each gather
+SUPPORTS_BIDIRECTIONAL = True  # bidirectional_ranges (Gemma 3's image runs) join each query's causal mask
 _local = threading.local()
 # SDPA's enable_gqa (torch >= 2.5) lets a whole fresh prompt use the causal kernel without expanding K/V.
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -99,7 +100,15 @@ class ScoreMods:
 
     def visible(self, key_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """Causal (and windowed) visibility of keys at key_pos to queries at q_pos, broadcast together."""
+        return self.visible_or_ranged(key_pos, q_pos)
+
+    def visible_or_ranged(self, key_pos: torch.Tensor, q_pos: torch.Tensor, lo: torch.Tensor | None = None,
+                          hi: torch.Tensor | None = None) -> torch.Tensor:
+        """Visibility with each query's bidirectional range [lo, hi) (broadcast like q_pos) added to its causal
+        set before the window cuts: (k <= p or lo <= k < hi) and k > p - window."""
         mask = key_pos <= q_pos
+        if lo is not None:
+            mask = mask | ((key_pos >= lo) & (key_pos < hi))
         if self.sliding_window is not None:
             mask &= key_pos > q_pos - self.sliding_window
         return mask
@@ -169,8 +178,10 @@ def _chunk_attention(
     max_seqlen_k: int,
     mods: ScoreMods = NO_MODS,
     read: KVRead | None = None,
+    ranges: torch.Tensor | None = None,  # [T, 2]: each token's bidirectional [lo, hi)
 ) -> torch.Tensor:  # -> [T, Hq, D]
-    """Causal attention of query chunks padded to max_seqlen_q, over their gathered context."""
+    """Causal attention of query chunks padded to max_seqlen_q, over their gathered context (plus each token's
+    bidirectional range)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.numel()
     num_kv_heads = key_cache.shape[2]
@@ -191,7 +202,13 @@ def _chunk_attention(
     key_pos = torch.arange(k.shape[2], device=query.device)
     # Padded query rows sit at the last position, so no row is fully masked (no NaN); they are dropped below.
     q_pos = torch.minimum((seq_lens - q_lens)[:, None] + chunk[None, :], seq_lens[:, None] - 1)  # [S, Lq]
-    mask = mods.visible(key_pos[None, None, :], q_pos[:, :, None])  # [S, Lq, Lk]
+    lo = hi = None
+    if ranges is not None:  # padded rows keep the empty range [0, 0)
+        lo, hi = q_pad.new_zeros((2, num_seqs, max_seqlen_q), dtype=torch.long).unbind(0)
+        lo[seq_idx, pos_in_chunk] = ranges[:, 0].long()
+        hi[seq_idx, pos_in_chunk] = torch.minimum(ranges[:, 1].long(), seq_lens[seq_idx])
+        lo, hi = lo[:, :, None], hi[:, :, None]
+    mask = mods.visible_or_ranged(key_pos[None, None, :], q_pos[:, :, None], lo, hi)  # [S, Lq, Lk]
     mask = mask[:, None, :, None, :].expand(-1, 1, -1, group, -1)
     mask = mask.reshape(num_seqs, 1, max_seqlen_q * group, k.shape[2])
     o = mods.attend(q, k, v, mask, scale)
@@ -212,8 +229,10 @@ def _mixed_attention(
     is_decode: torch.Tensor,  # [S] bool, q_lens == 1
     mods: ScoreMods = NO_MODS,
     read: KVRead | None = None,
+    ranges: torch.Tensor | None = None,  # [T, 2]
 ) -> torch.Tensor:  # -> [T, Hq, D]
-    """Decodes and prefill chunks in two batches (one K/V gather each): decodes are not padded to a chunk."""
+    """Decodes and prefill chunks in two batches (one K/V gather each): decodes are not padded to a chunk (a
+    sequence's last query sees its whole context, so a bidirectional range adds nothing to a decode)."""
     num_tokens = query.shape[0]
     result = torch.empty_like(query)
     dec = is_decode.nonzero().squeeze(1)
@@ -228,6 +247,7 @@ def _mixed_attention(
     result[pre_token_mask] = _chunk_attention(
         query[pre_token_mask], key_cache, value_cache, block_tables[pre], pre_cu, seq_lens[pre],
         scale, max_seqlen_q, int(seq_lens[pre].max()), mods, read,
+        None if ranges is None else ranges[pre_token_mask],
     )
     return result
 
@@ -236,7 +256,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0,
+                    bidirectional_ranges: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention batched over all sequences in torch (layouts there); an fp8 cache is
     dequantized (stored * k_scale / v_scale) after each gather."""
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
@@ -251,14 +272,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         is_decode = q_lens == 1
         num_decodes = int(is_decode.sum())
-        if num_seqs == 1 and int(seq_lens[0]) == num_tokens and _SDPA_HAS_GQA and mods == NO_MODS:
+        plain = mods == NO_MODS and bidirectional_ranges is None
+        if num_seqs == 1 and int(seq_lens[0]) == num_tokens and _SDPA_HAS_GQA and plain:
             result = _fresh_prompt_attention(query, key_cache, value_cache, block_tables, scale, read)
         elif num_decodes in (0, num_seqs):
             result = _chunk_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                      scale, max_seqlen_q, max_seqlen_k, mods, read)
+                                      scale, max_seqlen_q, max_seqlen_k, mods, read, bidirectional_ranges)
         else:
             result = _mixed_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                      max_seqlen_q, q_lens, is_decode, mods, read)
+                                      max_seqlen_q, q_lens, is_decode, mods, read, bidirectional_ranges)
     if out is None:
         return result
     out.copy_(result)

@@ -1,0 +1,206 @@
+"""Paged attention with bidirectional ranges (Gemma 3: an image's tokens see each other both ways) against a dense
+masked softmax per sequence whose mask is transformers' Gemma 3 rule: full layers causal OR same-image-run,
+sliding layers (causal OR same-image-run) AND p > pos - window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import kv8
+from pagedserve.kernels.attention import cpu as attention_cpu
+from pagedserve.kernels.attention import reference
+from tests.support.paged_attention import FP32_TOL, PagedBatch, make_batch
+
+# (name, [(q_len, seq_len)], {sequence: [image runs as absolute [start, end)]}); every run ends by seq_len.
+CASES = [
+    # A chunk after a cached prefix: a run cut by the chunk's start, one inside it, one ending at its end.
+    ("after-prefix", [(40, 70)], {0: [(26, 38), (44, 52), (61, 70)]}),
+    # A fresh prompt (nothing cached): runs at its start and in its middle.
+    ("fresh-prompt", [(37, 37)], {0: [(0, 9), (20, 31)]}),
+    # Several sequences with decodes between them; two runs in one chunk; a one-token chunk inside a run.
+    ("several", [(1, 45), (24, 50), (17, 17), (1, 1), (3, 64), (1, 40), (12, 30)],
+     {1: [(26, 27), (30, 41), (43, 50)], 2: [(3, 14)], 4: [(60, 64)], 6: [(18, 23), (24, 29)]}),
+    # One-token prefill chunks: the last token of a run and the middle of a run (its range reaches no further).
+    ("one-token-chunks", [(1, 33), (1, 20), (5, 48)], {0: [(30, 33)], 1: [(10, 20)], 2: [(40, 48)]}),
+]
+CASE_IDS = [case[0] for case in CASES]
+
+
+def runs_to_ranges(batch: PagedBatch, runs: dict[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """The [T, 2] int32 ranges: a token inside an image run sees that run, every other token [0, 0)."""
+    rows = []
+    for s in range(batch.seq_lens.numel()):
+        start, end, seq_len = int(batch.cu_seqlens_q[s]), int(batch.cu_seqlens_q[s + 1]), int(batch.seq_lens[s])
+        for i in range(end - start):
+            pos = seq_len - (end - start) + i
+            rows.append(next(((a, b) for a, b in runs.get(s, []) if a <= pos < b), (0, 0)))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
+
+
+def dense_mask(q_pos: torch.Tensor, seq_len: int, ranges: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q, seq_len] bool: (p <= pos or lo <= p < hi) and p > pos - window."""
+    p = torch.arange(seq_len)[None, :]
+    pos, lo, hi = q_pos[:, None], ranges[:, :1].long(), ranges[:, 1:].long()
+    mask = (p <= pos) | ((p >= lo) & (p < hi))
+    return mask & (p > pos - window) if window is not None else mask
+
+
+def oracle(batch: PagedBatch, ranges: torch.Tensor, window: int | None = None, soft_cap: float | None = None,
+           kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # -> [T, Hq, D] fp32
+    """Per sequence: K/V gathered slot by slot through the block table (an fp8 cache read as stored * scale), a
+    dense masked fp32 softmax."""
+    block_size, num_kv_heads = batch.key_cache.shape[1], batch.key_cache.shape[2]
+    group = batch.query.shape[1] // num_kv_heads
+    out = torch.empty(batch.query.shape, dtype=torch.float32)
+    for s in range(batch.seq_lens.numel()):
+        start, end, seq_len = int(batch.cu_seqlens_q[s]), int(batch.cu_seqlens_q[s + 1]), int(batch.seq_lens[s])
+        slots = [(int(batch.block_tables[s, p // block_size]), p % block_size) for p in range(seq_len)]
+        k = torch.stack([batch.key_cache[b, o].float() * kv_scales[0] for b, o in slots])
+        v = torch.stack([batch.value_cache[b, o].float() * kv_scales[1] for b, o in slots])
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        scores = torch.einsum("qhd,khd->hqk", batch.query[start:end].float(), k) * batch.scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        mask = dense_mask(q_pos, seq_len, ranges[start:end], window)
+        probs = scores.masked_fill(~mask[None], float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+def _case(name: str, num_kv_heads: int = 2, group: int = 4, head_dim: int = 32, block_size: int = 16,
+          seed: int = 0) -> tuple[PagedBatch, torch.Tensor]:
+    _, lens, runs = CASES[CASE_IDS.index(name)]
+    batch = make_batch(lens, num_kv_heads, group, head_dim, block_size, seed=seed)
+    batch.query.mul_(2.0)  # peaked softmaxes: a wrongly hidden or shown key moves the output visibly
+    return batch, runs_to_ranges(batch, runs)
+
+
+def _call(module, batch: PagedBatch, ranges: torch.Tensor | None, window: int | None = None,
+          soft_cap: float | None = None, **extra) -> torch.Tensor:
+    return module.paged_attention(*batch.args(), sliding_window=window, logits_soft_cap=soft_cap,
+                                  bidirectional_ranges=ranges, **extra)
+
+
+def test_oracle_mask_is_transformers_gemma3_mask():
+    from transformers.masking_utils import (
+        and_masks,
+        blockwise_overlay,
+        causal_mask_function,
+        or_masks,
+        sliding_window_overlay,
+    )
+
+    token_type = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0, 1, 1, 1, 1, 0]])  # three images between text
+    image = token_type == 1
+    groups = torch.cumsum((image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]).int(), 1) - 1
+    block_ids = torch.where(image, groups, -1)  # as Gemma 3's get_block_sequence_ids_for_mask
+    runs = {0: [(1, 4), (6, 8), (9, 13)]}
+    batch = make_batch([(14, 14)], 1, 1, 16, 16)
+    ranges = runs_to_ranges(batch, runs)
+    full = or_masks(causal_mask_function, blockwise_overlay(block_ids))
+    for window, allowed in [(None, full), (3, and_masks(sliding_window_overlay(3), full))]:
+        expected = [[bool(allowed(0, 0, torch.tensor(q), torch.tensor(k))) for k in range(14)] for q in range(14)]
+        assert dense_mask(torch.arange(14), 14, ranges, window).tolist() == expected
+    assert expected[10][12] and not expected[10][6]  # sees its own image ahead; not an earlier one out of window
+
+
+def test_empty_ranges_equal_causal_attention():
+    batch, ranges = _case("several")
+    empty = torch.zeros_like(ranges)
+    torch.testing.assert_close(_call(reference, batch, empty, 7), reference.paged_attention(
+        *batch.args(), sliding_window=7), **FP32_TOL)
+
+
+def test_ranges_change_the_result_of_image_tokens_only():
+    batch, ranges = _case("after-prefix")
+    causal = reference.paged_attention(*batch.args())
+    ranged = _call(reference, batch, ranges)
+    differs = (ranged - causal).abs().amax(dim=(1, 2)) > 1e-4
+    sees_ahead = ranges[:, 1].long() > torch.arange(30, 70) + 1  # a key after itself in its run
+    assert torch.equal(differs, sees_ahead) and sees_ahead.any()
+
+
+@pytest.mark.parametrize("name", CASE_IDS)
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 4), (1, 1)], ids=["gqa4", "mha"])
+def test_reference_equals_oracle(name, num_kv_heads, group):
+    batch, ranges = _case(name, num_kv_heads, group)
+    torch.testing.assert_close(_call(reference, batch, ranges), oracle(batch, ranges), **FP32_TOL)
+
+
+@pytest.mark.parametrize("name", CASE_IDS)
+@pytest.mark.parametrize(("window", "soft_cap"), [(4, None), (9, None), (None, 3.0), (6, 2.0)])
+def test_reference_windowed_and_capped_equals_oracle(name, window, soft_cap):
+    # Windows of 4 and 6 cut into runs of up to 12 tokens: a token sees the run's keys ahead, not all behind it.
+    batch, ranges = _case(name, seed=1)
+    torch.testing.assert_close(_call(reference, batch, ranges, window, soft_cap),
+                               oracle(batch, ranges, window, soft_cap), **FP32_TOL)
+
+
+def _to_fp8(batch: PagedBatch, dtype: torch.dtype, k_scale: float, v_scale: float) -> PagedBatch:
+    batch.key_cache = kv8.quantize(batch.key_cache, dtype, k_scale)
+    batch.value_cache = kv8.quantize(batch.value_cache, dtype, v_scale)
+    return batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("name", ["after-prefix", "several"])
+def test_reference_fp8_cache_equals_oracle(name, dtype):
+    batch, ranges = _case(name, seed=2)
+    batch = _to_fp8(batch, dtype, 0.05, 0.02)
+    out = _call(reference, batch, ranges, 5, 2.5, k_scale=0.05, v_scale=0.02)
+    torch.testing.assert_close(out, oracle(batch, ranges, 5, 2.5, (0.05, 0.02)), **FP32_TOL)
+
+
+def test_entry_sends_ranges_only_to_modules_that_declare_support(monkeypatch):
+    from pagedserve import kernels
+    from tests.support.kernel_checks import spy
+
+    batch, ranges = _case("several", seed=3)
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "auto")
+    monkeypatch.setattr(attention_cpu, "SUPPORTS_BIDIRECTIONAL", False, raising=False)
+    ref_calls, cpu_calls = spy(monkeypatch, reference, "paged_attention"), spy(monkeypatch, attention_cpu,
+                                                                                "paged_attention")
+    out = kernels.paged_attention(*batch.args(), sliding_window=6, bidirectional_ranges=ranges)
+    assert len(ref_calls) == 1 and not cpu_calls
+    torch.testing.assert_close(out, oracle(batch, ranges, 6), **FP32_TOL)
+    kernels.paged_attention(*batch.args())  # no ranges: the CPU module as before
+    assert len(ref_calls) == 1 and len(cpu_calls) == 1
+
+
+@pytest.mark.parametrize(("ranges", "message"), [
+    (torch.zeros(3, 2, dtype=torch.int32), r"bidirectional_ranges must be \["),
+    (torch.zeros(59, dtype=torch.int32), r"bidirectional_ranges must be \["),
+    (torch.zeros(59, 2), "bidirectional_ranges must be int32"),
+])
+def test_entry_refuses_malformed_ranges_naming_the_field(ranges, message):
+    from pagedserve import kernels
+
+    batch, _ = _case("several")
+    assert batch.query.shape[0] == 59
+    with pytest.raises(ValueError, match=message):
+        kernels.paged_attention(*batch.args(), bidirectional_ranges=ranges)
+
+
+def test_llama_attention_passes_the_step_ranges_through(monkeypatch):
+    from types import SimpleNamespace
+
+    from pagedserve import kernels
+    from pagedserve.backend.model.attention import AttentionMetadata
+    from pagedserve.backend.model.llama import Attention
+
+    batch, ranges = _case("after-prefix", num_kv_heads=2, group=2)
+    calls: list = []
+    real = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    layer = SimpleNamespace(scale=batch.scale, sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0)
+    meta = AttentionMetadata(torch.zeros(40, dtype=torch.int64), batch.block_tables, batch.cu_seqlens_q,
+                             batch.seq_lens, 40, 70)
+    caches = (batch.key_cache, batch.value_cache)
+    Attention.attend(layer, batch.query, caches, meta)
+    assert "bidirectional_ranges" not in calls[-1]  # a step without images keeps the call it always made
+    meta.bidirectional_ranges = ranges
+    torch.testing.assert_close(Attention.attend(layer, batch.query, caches, meta), oracle(batch, ranges),
+                               **FP32_TOL)
+    assert calls[-1]["bidirectional_ranges"] is ranges
