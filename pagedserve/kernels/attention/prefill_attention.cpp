@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -63,12 +64,30 @@ struct Item {
   int64_t head, first, count, rows, padded, pos0, key_begin, key_end;
 };
 
+// Storage on 64-byte boundaries: an AMX tile row or a 512-bit vector that straddles two cache lines costs two
+// accesses, and malloc's 16-byte alignment made the tile loads and stores of every buffer below straddle.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, CacheLineAllocator<T>>;
+
 // Per thread: stacked queries, the packed K/V tile, one block's scores/probabilities, the running state.
 struct Workspace {
-  std::vector<float> qf, kt, vf, scores, probs, o, m, l;
-  std::vector<uint16_t> qb, pb;
-  std::vector<uint32_t> kp, vp;
-  std::vector<uint16_t> widened;  // an fp8 tile's two K and two V rows in bf16 (AMX packing)
+  Buffer<float> qf, kt, vf, scores, probs, o, m, l;
+  Buffer<uint16_t> qb, pb;
+  Buffer<uint32_t> kp, vp;
+  Buffer<uint16_t> widened;  // an fp8 tile's two K and two V rows in bf16 (AMX packing)
   std::vector<int64_t> row_pos;  // position of each stacked row's query (no division per row and tile)
 };
 
