@@ -10,7 +10,8 @@ import torch
 from pagedserve.kernels import kv8
 from pagedserve.kernels.attention import cpu as attention_cpu
 from pagedserve.kernels.attention import reference
-from tests.support.paged_attention import FP32_TOL, PagedBatch, make_batch
+from tests.support.kernel_checks import needs_native
+from tests.support.paged_attention import BF16_TOL, FP32_TOL, PagedBatch, make_batch
 
 # (name, [(q_len, seq_len)], {sequence: [image runs as absolute [start, end)]}); every run ends by seq_len.
 CASES = [
@@ -18,9 +19,9 @@ CASES = [
     ("after-prefix", [(40, 70)], {0: [(26, 38), (44, 52), (61, 70)]}),
     # A fresh prompt (nothing cached): runs at its start and in its middle.
     ("fresh-prompt", [(37, 37)], {0: [(0, 9), (20, 31)]}),
-    # Several sequences with decodes between them; two runs in one chunk; a one-token chunk inside a run.
+    # Several sequences with decodes between them; two runs in one chunk; a run ending at a chunk's first query.
     ("several", [(1, 45), (24, 50), (17, 17), (1, 1), (3, 64), (1, 40), (12, 30)],
-     {1: [(26, 27), (30, 41), (43, 50)], 2: [(3, 14)], 4: [(60, 64)], 6: [(18, 23), (24, 29)]}),
+     {1: [(26, 27), (30, 41), (43, 50)], 2: [(3, 14)], 4: [(55, 62)], 6: [(18, 23), (24, 29)]}),
     # One-token prefill chunks: the last token of a run and the middle of a run (its range reaches no further).
     ("one-token-chunks", [(1, 33), (1, 20), (5, 48)], {0: [(30, 33)], 1: [(10, 20)], 2: [(40, 48)]}),
 ]
@@ -169,6 +170,20 @@ def test_entry_sends_ranges_only_to_modules_that_declare_support(monkeypatch):
     assert len(ref_calls) == 1 and len(cpu_calls) == 1
 
 
+@needs_native
+def test_entry_sends_ranges_to_the_cpu_module_that_declares_them(monkeypatch):
+    from pagedserve import kernels
+    from tests.support.kernel_checks import spy
+
+    batch, ranges = _case("after-prefix", seed=3)
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "auto")
+    assert attention_cpu.SUPPORTS_BIDIRECTIONAL and reference.SUPPORTS_BIDIRECTIONAL
+    cpu_calls = spy(monkeypatch, attention_cpu, "paged_attention")
+    out = kernels.paged_attention(*batch.args(), bidirectional_ranges=ranges)
+    assert len(cpu_calls) == 1
+    torch.testing.assert_close(out, oracle(batch, ranges), **FP32_TOL)
+
+
 @pytest.mark.parametrize(("ranges", "message"), [
     (torch.zeros(3, 2, dtype=torch.int32), r"bidirectional_ranges must be \["),
     (torch.zeros(59, dtype=torch.int32), r"bidirectional_ranges must be \["),
@@ -204,3 +219,45 @@ def test_llama_attention_passes_the_step_ranges_through(monkeypatch):
     torch.testing.assert_close(Attention.attend(layer, batch.query, caches, meta), oracle(batch, ranges),
                                **FP32_TOL)
     assert calls[-1]["bidirectional_ranges"] is ranges
+
+
+@needs_native
+@pytest.mark.parametrize("name", CASE_IDS)
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (4, None), (6, 2.0)])
+def test_cpu_equals_oracle(name, window, soft_cap):
+    batch, ranges = _case(name, seed=4)
+    torch.testing.assert_close(_call(attention_cpu, batch, ranges, window, soft_cap),
+                               oracle(batch, ranges, window, soft_cap), **FP32_TOL)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cpu_fp8_cache_equals_oracle(dtype):
+    batch, ranges = _case("several", seed=5)
+    batch = _to_fp8(batch, dtype, 0.05, 0.02)
+    out = _call(attention_cpu, batch, ranges, 5, 2.5, k_scale=0.05, v_scale=0.02)
+    torch.testing.assert_close(out, oracle(batch, ranges, 5, 2.5, (0.05, 0.02)), **FP32_TOL)
+
+
+@needs_native
+def test_cpu_bf16_stays_within_bf16_rounding():
+    _, lens, runs = CASES[CASE_IDS.index("several")]
+    batch = make_batch(lens, 2, 4, 64, 16, dtype=torch.bfloat16, seed=6)
+    ranges = runs_to_ranges(batch, runs)
+    out = _call(attention_cpu, batch, ranges, 9, None)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), oracle(batch, ranges, 9), **BF16_TOL)
+
+
+@needs_native
+def test_cpu_masks_only_the_chunks_whose_ranges_reach_ahead(monkeypatch):
+    from tests.support.kernel_checks import spy
+
+    batch, ranges = _case("several", seed=7)
+    chunks = spy(monkeypatch, attention_cpu, "_prefill_chunk")
+    _call(attention_cpu, batch, ranges)
+    # Sequences 1, 2 and 6 hold runs ahead of some query; 4's run ends at its first query, so it adds nothing.
+    assert [args[-1] is not None for args in chunks] == [True, True, False, True]
+    one_token, one_token_ranges = _case("one-token-chunks")
+    # One-token chunks are their sequences' last tokens: only the five-token chunk (2) needs a mask.
+    assert attention_cpu._ranged_sequences(one_token_ranges, one_token.cu_seqlens_q, one_token.seq_lens) == {2}

@@ -27,6 +27,9 @@ _decode_kernel = native.Function(
 # An fp8 cache (kernels.kv8) is read in place by the native kernels (dequantized in registers), or dequantized
 # after the gather on the SDPA path.
 SUPPORTS_FP8_KV = True
+# A chunk with bidirectional ranges (Gemma 3's image runs) runs masked SDPA over its own context; the step's other
+# sequences keep the native kernels.
+SUPPORTS_BIDIRECTIONAL = True
 # Tests set this to run the decode kernel's portable loops where the CPU has AVX-512 (the path AVX2 CPUs take).
 PORTABLE_DECODE = False
 
@@ -106,9 +109,12 @@ def _prefill_chunk(
     scale: float,
     mods: ScoreMods = NO_MODS,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's k_scale, v_scale
+    ranges: torch.Tensor | None = None,  # [q_len, 2]: each query's bidirectional [lo, hi)
 ) -> torch.Tensor:  # -> [q_len, Hq, D]
-    """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches."""
-    if cpu_prefill.preferred(query, key_cache):  # the native kernel over the block table (bf16 on AMX)
+    """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches (and
+    each query's bidirectional range: then masked SDPA)."""
+    plain = mods == NO_MODS and ranges is None
+    if ranges is None and cpu_prefill.preferred(query, key_cache):  # the native kernel over the block table (bf16 on AMX)
         return cpu_prefill.prefill_attention(query, key_cache, value_cache, table, seq_len, scale, mods,
                                              kv_scales=kv_scales)
     q_len, num_q_heads = query.shape[0], query.shape[1]
@@ -117,17 +123,18 @@ def _prefill_chunk(
     begin = 0 if window is None else max(0, seq_len - q_len - window + 1)
     # K/V repeated per query head: on the CPU SDPA's enable_gqa takes the slow math path, while 4-D
     # inputs of equal head counts reach the flash kernel (docs/benchmarks.md, offline throughput).
-    if q_len < seq_len and mods == NO_MODS and _flash_with_lse is not None:
+    if q_len < seq_len and plain and _flash_with_lse is not None:
         return _chunk_after_prefix(query, key_cache, value_cache, table, seq_len, scale, kv_scales)
     k = _context(key_cache, table, begin, seq_len, query.dtype, kv_scales[0]).repeat_interleave(group, 0)[None]
     v = _context(value_cache, table, begin, seq_len, query.dtype, kv_scales[1]).repeat_interleave(group, 0)[None]
     q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
-    if q_len == seq_len and mods == NO_MODS:
+    if q_len == seq_len and plain:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        # Query i sits at seq_len - q_len + i and sees keys up to there (within its window).
+        # Query i sits at seq_len - q_len + i and sees keys up to there and in its range (within its window).
         key_pos = torch.arange(begin, seq_len)
-        mask = mods.visible(key_pos[None, :], (seq_len - q_len + torch.arange(q_len))[:, None])
+        lo, hi = (None, None) if ranges is None else (ranges[:, :1].long(), ranges[:, 1:].long())
+        mask = mods.visible_or_ranged(key_pos[None, :], (seq_len - q_len + torch.arange(q_len))[:, None], lo, hi)
         o = mods.attend(q, k, v, mask, scale)
     return o[0].transpose(0, 1)
 
@@ -175,13 +182,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, bidirectional_ranges: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention on the CPU: native decodes, per-sequence prefill chunks (an fp8 cache
-    read as stored * k_scale / v_scale)."""
+    read as stored * k_scale / v_scale; a chunk whose bidirectional ranges reach past its queries, masked SDPA)."""
     if not supports(query, key_cache):
         return reference.paged_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                                          scale, max_seqlen_q, max_seqlen_k, out, sliding_window, logits_soft_cap,
-                                         k_scale=k_scale, v_scale=v_scale)
+                                         k_scale=k_scale, v_scale=v_scale, bidirectional_ranges=bidirectional_ranges)
     mods = ScoreMods(sliding_window, logits_soft_cap)
     num_tokens, num_seqs = query.shape[0], seq_lens.numel()
     if max_seqlen_q == 1 and num_tokens == num_seqs:
@@ -191,6 +198,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     starts = cu_seqlens_q.tolist()
     lengths = seq_lens.tolist()
     decodes = [s for s in range(num_seqs) if starts[s + 1] - starts[s] == 1]
+    ranged = _ranged_sequences(bidirectional_ranges, cu_seqlens_q, seq_lens)
     if decodes:
         rows = torch.tensor([starts[s] for s in decodes])
         index = torch.tensor(decodes)
@@ -200,5 +208,17 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         begin, end = starts[s], starts[s + 1]
         if end - begin > 1:
             result[begin:end] = _prefill_chunk(query[begin:end], key_cache, value_cache, block_tables[s],
-                                               lengths[s], scale, mods, (k_scale, v_scale))
+                                               lengths[s], scale, mods, (k_scale, v_scale),
+                                               bidirectional_ranges[begin:end] if s in ranged else None)
     return result
+
+
+def _ranged_sequences(ranges: torch.Tensor | None, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> set[int]:
+    """The sequences with a query whose range reaches a key after it (hi > pos + 1): only those need a mask; a
+    range behind its query, or a decode's (its sequence's last token), adds nothing to the causal set."""
+    if ranges is None:
+        return set()
+    cu = cu_seqlens_q.long()
+    seq_idx, pos_in_chunk = reference._token_coordinates(cu, ranges.shape[0])
+    pos = (seq_lens.long() - (cu[1:] - cu[:-1]))[seq_idx] + pos_in_chunk
+    return set(seq_idx[ranges[:, 1].long() > pos + 1].tolist())
