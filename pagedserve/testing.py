@@ -446,11 +446,13 @@ IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
 
 
 def make_tiny_idefics3(path: str | Path, seed: int = 0, *, text_sizes: dict[str, Any] | None = None,
-                       vision_sizes: dict[str, Any] | None = None) -> Path:
+                       vision_sizes: dict[str, Any] | None = None, longest_edge: int = 112,
+                       scale_factor: int = 2) -> Path:
     """Save a tiny random-weight Idefics3ForConditionalGeneration (SmolVLM's layout: a 3-layer SigLIP tower over
     56-pixel tiles of 14-pixel patches, pixel shuffle by 2: 4 tokens a tile; a Llama decoder) with transformers'
     Idefics3Processor (its Pillow image processor: images resized to a longest edge of 112, so up to 2x2 tiles
-    plus the global view) and the tiny tokenizer with Idefics3's tokens."""
+    plus the global view) and the tiny tokenizer with Idefics3's tokens. A larger shape: `vision_sizes`' image_size
+    is the tile, `longest_edge` the image processor's, `scale_factor` the pixel shuffle's."""
     import torch
     import transformers
 
@@ -458,18 +460,22 @@ def make_tiny_idefics3(path: str | Path, seed: int = 0, *, text_sizes: dict[str,
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
-    images = transformers.Idefics3ImageProcessorPil(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
-    transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4,
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    vision = {**vision, **(vision_sizes or {})}  # a benchmark's or a realistic-shape test's larger one
+    tile = int(vision["image_size"])
+    images = transformers.Idefics3ImageProcessorPil(size={"longest_edge": longest_edge},
+                                                    max_image_size={"longest_edge": tile})
+    tokens_a_tile = (tile // int(vision["patch_size"]) // scale_factor) ** 2
+    transformers.Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=tokens_a_tile,
                                    chat_template=CHATML_TEMPLATE).save_pretrained(path)
     _ensure_chat_template_in_config(path)
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in
            (("bos_token_id", BOS_TOKEN), ("eos_token_id", EOS_TOKEN), ("pad_token_id", END_OF_TEXT))}
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, **ids)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56,
-                  patch_size=14)
-    text, vision = {**text, **(text_sizes or {})}, {**vision, **(vision_sizes or {})}  # a benchmark's larger one
-    config = transformers.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+    text = {**text, **(text_sizes or {})}
+    config = transformers.Idefics3Config(text_config=text, vision_config=vision, scale_factor=scale_factor,
                                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **ids)
     torch.manual_seed(seed)
     model = transformers.Idefics3ForConditionalGeneration(config)
