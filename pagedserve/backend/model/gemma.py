@@ -170,9 +170,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, H]: given by a VLM's runner, image rows in place
     ) -> torch.Tensor:  # -> final hidden states [T, H]
         """Every layer over the step's tokens, each sliding layer rotating with the local table when there is one."""
-        hidden = self.embed(input_ids)
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         local = self.local_cos_sin_cache if self.config.local_rope_theta is not None else self.cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

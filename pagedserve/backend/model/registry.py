@@ -34,6 +34,7 @@ _FAMILY_MODULES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Idefics3ForConditionalGeneration": "idefics3",
+    "Gemma3ForConditionalGeneration": "gemma3_vl",
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_FAMILY_MODULES))
 
