@@ -252,6 +252,8 @@ class ModelRunner:
                 self.encoder.encode(scheduler_output)
                 embeds = self.encoder.inputs_embeds(scheduled, batch.input_ids)
                 batch.positions = self.encoder.positions(scheduled, batch.positions)  # M-RoPE's, for Qwen2-VL
+                batch.meta.bidirectional_ranges = self.encoder.bidirectional_ranges(  # Gemma 3's image runs
+                    scheduled, batch.input_ids.shape[0], self.device)
             if self.tp is not None:
                 self.tp.broadcast(StepPlan.of(scheduler_output.block_copies, batch.input_ids, batch.positions,
                                               batch.meta, batch.logit_rows,
