@@ -31,6 +31,28 @@ def images_in(images: Sequence[ImageInput], start: int, end: int) -> list[ImageI
     return [image for image in images if image.offset < end and image.end > start]
 
 
+def image_runs(images: Sequence[ImageInput]) -> list[tuple[int, int]]:
+    """[lo, hi) of each maximal run of image placeholder positions (images side by side make one run): what a
+    model whose image tokens attend to each other (Gemma 3) sees as one block."""
+    runs: list[tuple[int, int]] = []
+    for image in sorted(images, key=lambda image: image.offset):
+        if runs and runs[-1][1] == image.offset:
+            runs[-1] = (runs[-1][0], image.end)
+        else:
+            runs.append((image.offset, image.end))
+    return runs
+
+
+def end_outside_runs(images: Sequence[ImageInput], start: int, num_new: int) -> int:
+    """num_new cut so that the chunk start .. start + num_new - 1 does not end strictly inside an image run: it
+    stops before the run (0 when it starts inside it: it must take the run to its end or wait)."""
+    end = start + num_new
+    for lo, hi in image_runs(images):
+        if lo < end < hi:
+            return max(lo - start, 0)
+    return num_new
+
+
 def block_images_key(images: Sequence[ImageInput], start: int, end: int) -> str | None:
     """The part of a block's hash that names the images whose placeholders positions start .. end - 1 hold, so
     the same placeholder tokens with another image never share KV; None when the block holds none."""
@@ -127,6 +149,8 @@ class StepEncoderCache(EncoderCache):
         self._planned: list[ImageInput] = []
         self._planned_rows = 0
         self._planned_end = 0
+        # Set for a model whose image tokens attend to each other (Gemma 3): no chunk ends inside an image run.
+        self.whole_runs = False
 
     def start_step(self) -> None:
         """A new step: its whole encoder budget is free."""
@@ -136,7 +160,9 @@ class StepEncoderCache(EncoderCache):
         """How many of the chunk's num_new tokens from `start` can run: the images it reaches that are not
         cached are planned for encoding while they fit the step's budget and the cache; the chunk stops before
         the first that does not. A step's first image is encoded even past the budget, so that an image
-        larger than it still runs."""
+        larger than it still runs. With `whole_runs` the chunk never ends inside an image run."""
+        if self.whole_runs:
+            num_new = end_outside_runs(images, start, num_new)
         to_encode: list[ImageInput] = []
         rows = 0
         first = self.remaining == self.budget

@@ -67,6 +67,8 @@ class EngineCore:
         self.vocab_size: int = self.runner.arch.vocab_size
         self.scheduler = Scheduler(scheduler_config, cache_config, self.runner.num_blocks,
                                    **scheduler_lora_args(lora_config, self.runner.lora))
+        # A model whose image tokens attend to each other (Gemma 3) takes each image's run in one chunk.
+        self.scheduler.encoder_cache.whole_runs = getattr(self.runner.model, "bidirectional_image_runs", False)
         self.sampler = Sampler(eos_token_ids)
         self.structured = structured
         self.speculator = make_speculator(speculative_config, self)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.backend.core.errors import InvalidRequestError
-from pagedserve.backend.core.multimodal import ImageInput
+from pagedserve.backend.core.multimodal import ImageInput, image_runs
 from pagedserve.backend.engine.image_processors import load_processor, per_image
 
 FIELD = "images"
@@ -196,4 +196,9 @@ def prompt_with_images(processor: ImageProcessor | None, prompt: object, images:
     if largest > scheduler_config.encoder_cache_rows:
         raise InvalidRequestError(f"an image of {largest} tokens does not fit the encoder cache "
                                   f"({scheduler_config.encoder_cache_rows} rows; raise encoder_cache_size)", FIELD)
+    longest = max(hi - lo for lo, hi in image_runs(processed.images))
+    if engine_core.scheduler.encoder_cache.whole_runs and longest > scheduler_config.max_num_batched_tokens:
+        raise InvalidRequestError(f"an image run of {longest} tokens attends within itself, so it is prefilled in "
+                                  f"one step, which holds at most max_num_batched_tokens "
+                                  f"({scheduler_config.max_num_batched_tokens}) tokens", FIELD)
     return processed

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pagedserve.backend.core.multimodal import images_in
+from pagedserve.backend.core.multimodal import image_runs, images_in
 from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -47,6 +47,25 @@ class EncoderRunner:
         rows = [self.model.mrope_positions(item.request.mm_inputs, item.num_computed_tokens, item.num_scheduled_tokens)
                 for item in scheduled]
         return torch.cat(rows, dim=1).to(positions.device)
+
+    def bidirectional_ranges(self, scheduled: Sequence[ScheduledRequest], num_tokens: int,
+                             device: torch.device) -> torch.Tensor | None:
+        """Attention's [T, 2] int32 ranges for a model whose image tokens attend to each other (Gemma 3): row t is
+        the [lo, hi) image run token t sits in ([0, 0) outside one); None for another model or a step whose tokens
+        sit in no run."""
+        if not getattr(self.model, "bidirectional_image_runs", False):
+            return None
+        ranges = torch.zeros(num_tokens, 2, dtype=torch.int32)
+        offset, found = 0, False
+        for item in scheduled:
+            start, count = item.num_computed_tokens, item.num_scheduled_tokens
+            for lo, hi in image_runs(item.request.mm_inputs):
+                first, last = max(lo, start), min(hi, start + count)
+                if first < last:
+                    ranges[offset + first - start : offset + last - start] = torch.tensor([lo, hi], dtype=torch.int32)
+                    found = True
+            offset += count
+        return ranges.to(device) if found else None
 
     def inputs_embeds(self, scheduled: Sequence[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
         """The step's input embeddings [T, H] (`scheduled` in the batch's row order), image rows in place of
