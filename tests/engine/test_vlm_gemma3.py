@@ -187,3 +187,9 @@ def test_chunks_end_outside_runs() -> None:
     assert cache.plan(images, 0, 6) == 6  # off: a chunk may end anywhere
     cache.whole_runs = True
     assert cache.plan(images, 0, 6) == 4
+
+
+def test_the_shim_and_cli_placeholder_is_the_processors(gemma3_path, processor) -> None:
+    from pagedserve.client.openai.images import image_placeholder
+
+    assert image_placeholder(str(gemma3_path)) == processor.image_token == GEMMA3_IMAGE

@@ -69,20 +69,26 @@ _TEMPLATE_PLACEHOLDERS = {
 }
 
 
+# Families whose processor takes another token than the tokenizer's image_token as an image's placeholder (Gemma 3's
+# processor expands its begin-of-image token; the tokenizer's image_token is the soft token it expands into).
+_PROCESSOR_PLACEHOLDERS = {"gemma3": "<start_of_image>"}
+
+
 @functools.cache
 def image_placeholder(model_dir: str) -> str | None:
     """The model processor's image token (processor_config.json, else tokenizer_config.json), else what its
     family's chat template renders for an image (by config.json's model_type); None without."""
+    config = Path(model_dir) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type in _PROCESSOR_PLACEHOLDERS:
+        return _PROCESSOR_PLACEHOLDERS[model_type]
     for name in ("processor_config.json", "tokenizer_config.json"):
         config = Path(model_dir) / name
         if config.is_file():
             token = json.loads(config.read_text()).get("image_token")
             if isinstance(token, str) and token:
                 return token
-    config = Path(model_dir) / "config.json"
-    if config.is_file():
-        return _TEMPLATE_PLACEHOLDERS.get(json.loads(config.read_text()).get("model_type"))
-    return None
+    return _TEMPLATE_PLACEHOLDERS.get(model_type)
 
 
 def _url(part: dict, where: str) -> str:
