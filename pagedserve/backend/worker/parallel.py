@@ -98,6 +98,7 @@ class StepPlan:
     max_seqlen_k: int
     logit_rows: torch.Tensor  # [R] hidden rows the step computes logits of
     lora: LoRAPlan | None = None
+    bidirectional_ranges: torch.Tensor | None = None  # [T, 2]: Gemma 3's image runs (AttentionMetadata's)
 
     @classmethod
     def of(cls, block_copies: list[tuple[int, int]], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -105,13 +106,15 @@ class StepPlan:
         """The plan of a prepared step (its tensors brought to the CPU)."""
         cpu = [t.cpu() for t in (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q,
                                  meta.seq_lens)]
-        return cls(list(block_copies), *cpu, meta.max_seqlen_q, meta.max_seqlen_k, logit_rows.cpu(), lora)
+        ranges = None if meta.bidirectional_ranges is None else meta.bidirectional_ranges.cpu()
+        return cls(list(block_copies), *cpu, meta.max_seqlen_q, meta.max_seqlen_k, logit_rows.cpu(), lora, ranges)
 
     def meta(self, device: torch.device) -> AttentionMetadata:
         """The attention metadata on `device`."""
         return AttentionMetadata(self.slot_mapping.to(device), self.block_tables.to(device),
                                  self.cu_seqlens_q.to(device), self.seq_lens.to(device), self.max_seqlen_q,
-                                 self.max_seqlen_k)
+                                 self.max_seqlen_k, None if self.bidirectional_ranges is None
+                                 else self.bidirectional_ranges.to(device))
 
 
 class TensorParallel:
