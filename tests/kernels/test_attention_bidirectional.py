@@ -261,3 +261,81 @@ def test_cpu_masks_only_the_chunks_whose_ranges_reach_ahead(monkeypatch):
     one_token, one_token_ranges = _case("one-token-chunks")
     # One-token chunks are their sequences' last tokens: only the five-token chunk (2) needs a mask.
     assert attention_cpu._ranged_sequences(one_token_ranges, one_token.cu_seqlens_q, one_token.seq_lens) == {2}
+
+
+# Under the interpreter: each case once, GQA 4 (one 64-row tile holds 16 tokens) and MHA, windows cutting into runs.
+TRITON_CASES = [
+    pytest.param("after-prefix", 2, 4, None, None, id="after-prefix-gqa4"),
+    pytest.param("after-prefix", 1, 1, 4, 2.0, id="after-prefix-mha-w4-cap"),
+    pytest.param("fresh-prompt", 2, 2, 6, None, id="fresh-prompt-gqa2-w6"),
+    pytest.param("several", 2, 4, None, 3.0, id="several-gqa4-cap"),
+    pytest.param("several", 1, 8, 5, None, id="several-gqa8-w5"),
+    pytest.param("one-token-chunks", 2, 4, None, None, id="one-token-chunks"),
+]
+
+
+@pytest.mark.parametrize(("name", "num_kv_heads", "group", "window", "soft_cap"), TRITON_CASES)
+def test_triton_equals_oracle(name, num_kv_heads, group, window, soft_cap):
+    from pagedserve.kernels.attention import triton as attention_triton
+
+    batch, ranges = _case(name, num_kv_heads, group, seed=8)
+    torch.testing.assert_close(_call(attention_triton, batch, ranges, window, soft_cap),
+                               oracle(batch, ranges, window, soft_cap), **FP32_TOL)
+
+
+def test_triton_fp8_cache_equals_oracle():
+    from pagedserve.kernels.attention import triton as attention_triton
+
+    batch, ranges = _case("several", seed=9)
+    batch = _to_fp8(batch, torch.float8_e4m3fn, 0.05, 0.02)
+    out = _call(attention_triton, batch, ranges, 7, 2.5, k_scale=0.05, v_scale=0.02)
+    torch.testing.assert_close(out, oracle(batch, ranges, 7, 2.5, (0.05, 0.02)), **FP32_TOL)
+
+
+def test_triton_run_past_the_tile_reaches_keys_of_later_tiles():
+    # 16-token tiles (GQA 4): a 50-token image run spans four query tiles and 64-key steps; int64 ranges.
+    from pagedserve.kernels.attention import triton as attention_triton
+
+    batch = make_batch([(90, 130), (1, 20)], 1, 4, 32, 16, seed=10)
+    ranges = runs_to_ranges(batch, {0: [(45, 95), (100, 129)]}).long()
+    torch.testing.assert_close(_call(attention_triton, batch, ranges, 30, None), oracle(batch, ranges, 30),
+                               **FP32_TOL)
+
+
+# Runs in a fresh interpreter (the kernels here were decorated for the interpreter and cannot compile).
+_AOT_SCRIPT = """
+import json, torch
+from pagedserve.kernels.attention import triton as attention_triton
+from pagedserve.kernels.aot import compile_launch, record_launches
+
+def batch(lens, hq, hkv, d, bs=16):
+    blocks = sum(-(-k // bs) for _, k in lens)
+    cache = torch.zeros(blocks, bs, hkv, d, dtype=torch.bfloat16)
+    tables = torch.arange(blocks, dtype=torch.int32)[None].expand(len(lens), -1).contiguous()
+    q_lens = torch.tensor([q for q, _ in lens])
+    cu = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int()
+    query = torch.zeros(int(q_lens.sum()), hq, d, dtype=torch.bfloat16)
+    args = (query, cache, cache, tables, cu, torch.tensor([k for _, k in lens], dtype=torch.int32), 0.0625,
+            int(q_lens.max()), max(k for _, k in lens))
+    return args, torch.zeros(query.shape[0], 2, dtype=torch.int32)
+
+with record_launches(attention_triton) as launches:
+    args, ranges = batch([(512, 2048), (1, 700)], 8, 4, 256)  # Gemma 3 4B's heads: 64-row tiles, 3 ranges
+    attention_triton.paged_attention(*args, sliding_window=1024, bidirectional_ranges=ranges)
+    attention_triton.paged_attention(*args, bidirectional_ranges=ranges)
+    args, ranges = batch([(512, 512)], 32, 8, 128)  # 128-row tiles
+    attention_triton.paged_attention(*args, sliding_window=1024, bidirectional_ranges=ranges)
+print(json.dumps([compile_launch(launch) for launch in launches]))
+"""
+
+
+@pytest.mark.slow
+def test_ranged_prefill_kernels_compile_for_sm90_without_spills():
+    from tests.support.kernel_checks import compile_for_sm90
+
+    configs = compile_for_sm90(_AOT_SCRIPT)
+    assert [(c["constexprs"]["RANGED"], c["constexprs"]["WINDOWED"], c["constexprs"]["BLOCK_M"]) for c in configs] == [
+        (True, True, 64), (True, False, 64), (True, True, 128)]
+    for config in configs:
+        assert config["stack_bytes"] == 0, config  # no register spills
+        assert config["shared_bytes"] <= 232448, config  # 227 KB per block on sm_90

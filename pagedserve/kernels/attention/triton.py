@@ -16,112 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.attention.triton_tiles import _attend_range, _find_sequence
 from pagedserve.kernels.cache.triton import check_scales, is_fp8
 
 SUPPORTS_FP8_KV = True
+SUPPORTS_BIDIRECTIONAL = True  # per-row ranges masked inside the prefill tile loop (RANGED)
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _find_sequence(
-    cu_seqlens_q_ptr,  # [S + 1] int32
-    num_seqs,
-    pid,
-    BLOCK_Q: tl.constexpr,
-):
-    """Largest s whose first query tile index (cu_seqlens_q[s] // BLOCK_Q + s) is <= pid."""
-    lo = pid * 0
-    hi = pid * 0 + num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first_tile <= pid, mid + 1, lo)
-        hi = tl.where(first_tile <= pid, hi, mid)
-    return lo - 1
-
-
-@triton.jit
-def _tanh(x):
-    """tanh through exp2 (the interpreter and every GPU have it); the clamp keeps exp2 finite, tanh(20) is 1 in fp32."""
-    return 1.0 - 2.0 / (tl.exp2(tl.minimum(x, 20.0) * (2.0 * 1.4426950408889634)) + 1.0)
-
-
-@triton.jit
-def _widen(x, DOT_DTYPE: tl.constexpr):
-    """A K/V tile in the dot's dtype; fp8 through fp16, which holds both formats exactly (sm_90 converts pairs)."""
-    if x.dtype.is_fp8():
-        x = x.to(tl.float16)
-    return x.to(DOT_DTYPE)
-
-
-@triton.jit
-def _attend_range(
-    q,  # [BLOCK_M, HEAD_PAD] query tile, already in DOT_DTYPE
-    acc,  # [BLOCK_M, HEAD_PAD] fp32 running numerator
-    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
-    l_i,  # [BLOCK_M] fp32 running denominator
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    block_table_ptr,  # [max_blocks] int32, this sequence's row
-    kv_head,
-    q_pos,  # [BLOCK_M] absolute position of each row's query token
-    key_start,
-    key_end,  # keys in [key_start, key_end) are visited
-    seq_len,
-    qk_scale,  # softmax scale * log2(e); with SOFT_CAP, softmax scale / cap
-    window,  # sliding window (keys q_pos - window < k <= q_pos); read only when WINDOWED and MASKED
-    soft_cap,  # cap * log2(e); read only when SOFT_CAP
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,  # operand dtype of both tl.dot calls
-    DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,  # False: the caller guarantees every key in range is visible to every row
-    WINDOWED: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
-):
-    """Online-softmax accumulation of the keys in [key_start, key_end), causal (and windowed) per row when
-    MASKED; scores soft-capped (cap * tanh(score / cap)) when SOFT_CAP."""
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_mask = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(key_start, key_end, BLOCK_N):
-        key_pos = start + offs_n  # [BLOCK_N]
-        key_valid = key_pos < key_end
-        if MASKED:
-            block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_valid, other=0)
-            kv_mask = key_valid[:, None] & d_mask[None, :]
-        else:
-            block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
-            kv_mask = d_mask[None, :]
-        block_ids = block_ids.to(tl.int64)
-        in_block = (key_pos % BLOCK_SIZE).to(tl.int64)
-        k_off = block_ids * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N] int64
-        v_off = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        k = _widen(tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), DOT_DTYPE)
-        v = _widen(tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0), DOT_DTYPE)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        if SOFT_CAP:
-            s = _tanh(s) * soft_cap
-        if MASKED:
-            visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len) & key_valid[None, :]
-            if WINDOWED:
-                visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 keeps exp2 at 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -133,6 +33,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [S, max_blocks] int32
     cu_seqlens_q_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
+    ranges_ptr,  # [T, 2] each token's bidirectional [lo, hi); read only when RANGED
     num_seqs,
     qk_scale,  # with k_scale folded in
     window,
@@ -143,6 +44,7 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_bt,
+    stride_rt,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -154,8 +56,10 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    RANGED: tl.constexpr,  # bidirectional ranges given
 ):
-    """Grid (query tiles over all sequences, KV heads); causal attention of one tile over its context."""
+    """Grid (query tiles over all sequences, KV heads); causal attention of one tile over its context (and each
+    row's bidirectional range: the tile's keys then run to the furthest range end, masked per row)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q)
@@ -182,6 +86,13 @@ def _paged_attention_kernel(
     q_pos = context_len + q_idx
     last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
     key_end = tl.minimum(context_len + last_q + 1, seq_len)
+    q_lo = q_pos
+    q_hi = q_pos
+    if RANGED:
+        # A range's keys before the tile's first query are visible anyway: only the masked sections read it.
+        q_lo = tl.load(ranges_ptr + token * stride_rt, mask=row_valid, other=0).to(tl.int32)
+        q_hi = tl.load(ranges_ptr + token * stride_rt + 1, mask=row_valid, other=0).to(tl.int32)
+        key_end = tl.minimum(tl.maximum(key_end, tl.max(q_hi, axis=0)), seq_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -200,19 +111,19 @@ def _paged_attention_kernel(
         )
         unmasked_end = tl.maximum(unmasked_end, band_start)
         acc, m_i, l_i = _attend_range(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, key_lo, band_start, seq_len,
-            qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, True, SOFT_CAP,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, q_lo, q_hi, key_lo, band_start,
+            seq_len, qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, True, SOFT_CAP, RANGED,
         )
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, band_start, unmasked_end, seq_len,
-        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False, False, SOFT_CAP,
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, q_lo, q_hi, band_start, unmasked_end,
+        seq_len, qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False, False, SOFT_CAP, False,
     )
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, unmasked_end, key_end, seq_len,
-        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, WINDOWED, SOFT_CAP,
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, q_lo, q_hi, unmasked_end, key_end,
+        seq_len, qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, WINDOWED, SOFT_CAP, RANGED,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None] * v_scale
@@ -278,14 +189,14 @@ def _split_decode_kernel(
     # A decode query sees its whole context (window): only the ragged last tile of the split needs a mask.
     unmasked_end = key_start + tl.maximum(key_end - key_start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, key_start, unmasked_end, seq_len,
-        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False, False, SOFT_CAP,
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, q_pos, q_pos, key_start, unmasked_end,
+        seq_len, qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, False, False, SOFT_CAP, False,
     )
     acc, m_i, l_i = _attend_range(
-        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, unmasked_end, key_end, seq_len,
-        qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, False, SOFT_CAP,
+        q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table, kv_head, q_pos, q_pos, q_pos, unmasked_end, key_end,
+        seq_len, qk_scale, window, soft_cap, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        HEAD_DIM, HEAD_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PRECISION, True, False, SOFT_CAP, False,
     )
     row = (seq * (GROUP * tl.num_programs(1)) + q_head) * NUM_SPLITS + split  # [BLOCK_M] int64
     tl.store(part_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
@@ -367,6 +278,13 @@ def _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, se
     assert cu_seqlens_q.numel() == seq_lens.numel() + 1 == block_tables.shape[0] + 1, "batch sizes differ"
 
 
+def _check_ranges(ranges: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
+    if ranges is not None:
+        assert ranges.shape == (num_tokens, 2) and ranges.stride(1) == 1, "bidirectional_ranges: [T, 2] rows"
+        assert ranges.dtype in (torch.int32, torch.int64), "bidirectional_ranges: int32 or int64"
+    return ranges
+
+
 @dataclass(frozen=True, slots=True)
 class _Launch:
     """One call's tensors and what its kernel launches share: layout sizes, log2-domain scale, dot settings."""
@@ -384,6 +302,7 @@ class _Launch:
     dot_dtype: tl.dtype
     window: int  # 0: no sliding window
     soft_cap: float  # cap * log2(e); 0: no soft-capping
+    ranges: torch.Tensor | None = None  # [T, 2] bidirectional [lo, hi) per token; None: causal only
 
     @property
     def group(self) -> int:
@@ -434,11 +353,12 @@ class _Launch:
         block_m = max(block_m, triton.next_power_of_2(self.group))
         block_q = block_m // self.group
         num_q_tiles = num_tokens // block_q + num_seqs  # an upper bound; surplus programs exit at once
+        ranged = self.ranges is not None
         _paged_attention_kernel[(num_q_tiles, self.key_cache.shape[2])](
             out, query, self.key_cache, self.value_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-            num_seqs, self.qk_scale, self.window, self.soft_cap, self.v_scale, query.stride(0), query.stride(1),
-            out.stride(0),
-            out.stride(1), *self.strides(),
+            self.ranges if ranged else self.seq_lens, num_seqs, self.qk_scale, self.window, self.soft_cap,
+            self.v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1), *self.strides(),
+            self.ranges.stride(0) if ranged else 0, RANGED=ranged,
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=_block_n(max_seqlen_k, self.head_pad), **self.constexprs(),
             num_warps=8 if big_tiles or (self.head_pad > 128 and not decode_only) else 4,
             num_stages=3 if big_tiles else 2,
@@ -449,10 +369,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seqlen_q: int, max_seqlen_k: int, out: torch.Tensor | None = None,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                    num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    bidirectional_ranges: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.attention.paged_attention: the unified kernel, or the split-K decode kernels when every
     sequence decodes one token (num_splits: None = heuristic; tests force it). An fp8 cache reads as
-    stored * k_scale / v_scale."""
+    stored * k_scale / v_scale. bidirectional_ranges widen each row's visible keys (masked per row); a decode-only
+    step ignores them (each query is its sequence's last token, whose range can reach no further)."""
     _check_layouts(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
     check_scales(key_cache, value_cache, k_scale, v_scale)
     if out is None:
@@ -465,10 +387,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     # k_scale rides on the score scale: q . (k * k_scale) * scale = (q . k) * (scale * k_scale).
     scale = scale * float(k_scale)
     qk_scale = scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap
+    decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
+    ranges = None if decode_only else _check_ranges(bidirectional_ranges, num_tokens)
     launch = _Launch(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, qk_scale, float(v_scale),
                      max(16, triton.next_power_of_2(query.shape[2])), _dot_dtype(key_cache.dtype, query.dtype),
-                     sliding_window or 0, 0.0 if logits_soft_cap is None else logits_soft_cap * _LOG2E)
-    decode_only = max_seqlen_q == 1 and num_tokens == num_seqs
+                     sliding_window or 0, 0.0 if logits_soft_cap is None else logits_soft_cap * _LOG2E, ranges)
     # A decode reads at most its window: split that, not the whole context.
     decode_keys = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window)
     if decode_only and num_splits is None:
