@@ -60,6 +60,15 @@ def test_bf16_kernels_stay_within_bf16_rounding(use_amx, num_kv_heads, group, he
 
 @needs_native
 @needs_amx
+@pytest.mark.parametrize("block_size", [1, 8, 32, 48])
+def test_amx_kernel_reads_rows_of_any_block_size(block_size):
+    # Blocks holding whole groups of 16 keys take one table read per group, smaller ones one per key.
+    batch = make_batch(CHUNKS, 3, 3, 64, block_size, dtype=torch.bfloat16, seed=4)
+    torch.testing.assert_close(_run(batch, use_amx=True).float(), _oracle(batch), **BF16_TOL)
+
+
+@needs_native
+@needs_amx
 @pytest.mark.parametrize("mods", [ScoreMods(sliding_window=70), ScoreMods(soft_cap=3.0)], ids=["window", "cap"])
 def test_amx_kernel_applies_window_and_soft_cap(mods):
     batch = make_batch(CHUNKS, 3, 3, 64, 32, dtype=torch.bfloat16, seed=3)

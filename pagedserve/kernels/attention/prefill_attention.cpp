@@ -119,6 +119,28 @@ inline const T* cache_row(const void* cache, const Problem& pb, int64_t pos, int
   return static_cast<const T*>(cache) + (slot * pb.num_kv_heads + head) * pb.head_dim;
 }
 
+// K and V rows of 16 consecutive positions from pos0 (a multiple of 16): one table lookup and one division
+// when a cache block holds whole groups of 16, else per position (an int64 division and a table read each).
+// Positions past the context are not looked up (their rows are never read).
+template <typename C>
+inline void cache_rows16(const Problem& pb, int64_t pos0, int64_t head, const C* keys[16], const C* values[16]) {
+  const int64_t stride = pb.num_kv_heads * pb.head_dim;
+  if (pb.block_size % 16 == 0 && pos0 < pb.seq_len) {
+    const int64_t slot = static_cast<int64_t>(pb.table[pos0 / pb.block_size]) * pb.block_size + pos0 % pb.block_size;
+    const int64_t first = slot * stride + head * pb.head_dim;
+    for (int e = 0; e < 16; ++e) {
+      keys[e] = static_cast<const C*>(pb.key_cache) + first + e * stride;
+      values[e] = static_cast<const C*>(pb.value_cache) + first + e * stride;
+    }
+    return;
+  }
+  for (int e = 0; e < 16; ++e) {
+    const bool inside = pos0 + e < pb.seq_len;
+    keys[e] = inside ? cache_row<C>(pb.key_cache, pb, pos0 + e, head) : nullptr;
+    values[e] = inside ? cache_row<C>(pb.value_cache, pb, pos0 + e, head) : nullptr;
+  }
+}
+
 template <typename T>
 inline const T* query_row(const Problem& pb, const Item& it, int64_t r) {
   const int64_t token = it.first + r / pb.group, q_head = it.head * pb.group + r % pb.group;
@@ -283,17 +305,16 @@ bool amx_permitted() {
   return permitted;
 }
 
-// 2^t on the lanes of `keep` (0 elsewhere): 2^round(t) * 2^f, f in [-0.5, 0.5], degree 5 (relative error below
-// 3e-6, far under the bf16 rounding the probabilities then take); scalef takes any exponent, so no clamp.
+// 2^t on the lanes of `keep` (0 elsewhere): 2^round(t) * 2^f, f in [-0.5, 0.5], a degree-3 minimax fit (relative
+// error below 7.5e-5, a fiftieth of the bf16 rounding the probabilities then take: outputs as close to the fp32
+// oracle as with degree 5); scalef takes any exponent, so no clamp.
 inline __m512 exp2_16(__mmask16 keep, __m512 t) {
   const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, whole);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^k / k!, k = 5 .. 0
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022651f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(5.5176053e-2f);  // fitted for relative error on [-0.5, 0.5]
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2426115f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69326019f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992806f));
   return _mm512_maskz_scalef_ps(keep, p, whole);
 }
 
@@ -377,36 +398,75 @@ const uint16_t* bf16_row(const C* row, int64_t d, uint16_t* buf) {
   }
 }
 
+// Transposes a 16 x 16 block of 32-bit elements held as 16 row vectors (columns become rows).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0x88);
+      t[h + 4 + i] = _mm512_shuffle_i32x4(r[h + i], r[h + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
+// Keys k0..k0+kKeys of KV head it.head into ws.kp / ws.vp. K goes 16 keys at a time through 16 x 16 transposes
+// of dim pairs rather than a scalar store per pair and key; the next tile's rows are prefetched line by line while
+// this one's are packed.
 template <typename C>
 void pack_tile_amx(const Problem& pb, const Item& it, int64_t k0, Workspace& ws) {
   const int64_t d = pb.head_dim, pairs = d / 2;
   static const uint16_t zeros[512] = {};
-  if constexpr (kIsFp8<C>) ws.widened.resize(4 * d);
-  for (int64_t j = 0; j < kKeys; j += 2) {
-    const uint16_t* rows[2][2];
-    for (int64_t e = 0; e < 2; ++e) {
-      const int64_t pos = k0 + j + e;
+  if constexpr (kIsFp8<C>) ws.widened.resize(18 * d);  // 16 K rows, then two V rows
+  for (int64_t j0 = 0; j0 < kKeys; j0 += 16) {
+    const C *kp[16], *vp[16], *kn[16], *vn[16];
+    cache_rows16(pb, k0 + j0, it.head, kp, vp);
+    const bool next = k0 + j0 + kKeys < it.key_end;
+    if (next) cache_rows16(pb, k0 + j0 + kKeys, it.head, kn, vn);
+    const uint16_t* krows[16];
+    for (int64_t e = 0; e < 16; ++e) {
+      const int64_t pos = k0 + j0 + e;
       const bool valid = pos >= it.key_begin && pos < it.key_end;
-      uint16_t* buf = ws.widened.data() + 2 * e * d;
-      rows[0][e] = valid ? bf16_row(cache_row<C>(pb.key_cache, pb, pos, it.head), d, buf) : zeros;
-      rows[1][e] = valid ? bf16_row(cache_row<C>(pb.value_cache, pb, pos, it.head), d, buf + d) : zeros;
-      if (pos + kKeys < it.key_end) {  // the next tile's rows (every line), while this one's are packed
-        const char* k_next = reinterpret_cast<const char*>(cache_row<C>(pb.key_cache, pb, pos + kKeys, it.head));
-        const char* v_next = reinterpret_cast<const char*>(cache_row<C>(pb.value_cache, pb, pos + kKeys, it.head));
+      krows[e] = valid ? bf16_row(kp[e], d, ws.widened.data() + e * d) : zeros;
+      if (next && pos + kKeys < it.key_end) {
         for (int64_t line = 0; line < pb.head_dim * static_cast<int64_t>(sizeof(C)); line += 64) {
-          __builtin_prefetch(k_next + line);
-          __builtin_prefetch(v_next + line);
+          __builtin_prefetch(reinterpret_cast<const char*>(kn[e]) + line);
+          __builtin_prefetch(reinterpret_cast<const char*>(vn[e]) + line);
         }
       }
     }
-    for (int64_t e = 0; e < 2; ++e) {
-      const uint32_t* k32 = reinterpret_cast<const uint32_t*>(rows[0][e]);
-      for (int64_t c = 0; c < pairs; ++c) ws.kp[c * kKeys + j + e] = k32[c];
+    for (int64_t c0 = 0; c0 < pairs; c0 += 16) {
+      __m512i r[16];
+      for (int e = 0; e < 16; ++e) r[e] = _mm512_loadu_si512(krows[e] + 2 * c0);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(ws.kp.data() + (c0 + i) * kKeys + j0, r[i]);
     }
-    uint32_t* vrow = ws.vp.data() + (j / 2) * d;
+    for (int64_t j = j0; j < j0 + 16; j += 2) {
+      const uint16_t* vrows[2];
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t pos = k0 + j + e;
+        const bool valid = pos >= it.key_begin && pos < it.key_end;
+        uint16_t* buf = ws.widened.data() + (16 + e) * d;
+        vrows[e] = valid ? bf16_row(vp[j - j0 + e], d, buf) : zeros;
+      }
+      uint32_t* vrow = ws.vp.data() + (j / 2) * d;
 #pragma omp simd
-    for (int64_t c = 0; c < d; ++c) {
-      vrow[c] = static_cast<uint32_t>(rows[1][0][c]) | static_cast<uint32_t>(rows[1][1][c]) << 16;
+      for (int64_t c = 0; c < d; ++c) {
+        vrow[c] = static_cast<uint32_t>(vrows[0][c]) | static_cast<uint32_t>(vrows[1][c]) << 16;
+      }
     }
   }
 }
