@@ -339,3 +339,31 @@ def test_ranged_prefill_kernels_compile_for_sm90_without_spills():
     for config in configs:
         assert config["stack_bytes"] == 0, config  # no register spills
         assert config["shared_bytes"] <= 232448, config  # 227 KB per block on sm_90
+
+
+@pytest.mark.slow
+def test_gemma3_vlm_on_triton_kernels_matches_transformers_greedy(tmp_path, monkeypatch):
+    # Gemma 3's image runs through the Triton kernels (interpreter), chunks of 12 tokens, windows of the tiny model.
+    import transformers
+
+    from pagedserve.backend.core.sampling_params import SamplingParams
+    from pagedserve.kernels.attention import triton as attention_triton
+    from pagedserve.testing import tiny_image
+    from pagedserve.testing_vlm import GEMMA3_IMAGE, make_tiny_gemma3_vl
+    from tests.support.vlm import greedy_tokens, transformers_greedy, vlm_engine
+
+    path = make_tiny_gemma3_vl(tmp_path / "gemma3_vl")
+    prompts = [(f"Hello {GEMMA3_IMAGE} and {GEMMA3_IMAGE}: which is bigger?", [tiny_image(80, 20, seed=1),
+                                                                               tiny_image(200, 60, seed=2)]),
+               (f"{GEMMA3_IMAGE}The quick brown fox", [tiny_image(30, 40, seed=0)])]
+    hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    expected = transformers_greedy(hf, transformers.AutoProcessor.from_pretrained(path, local_files_only=True),
+                                   prompts, 6)
+    calls: list = []
+    real = attention_triton.paged_attention
+    monkeypatch.setattr(attention_triton, "paged_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    engine = vlm_engine(path, max_num_batched_tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert greedy_tokens(engine, prompts, params) == expected
+    assert any(kw.get("bidirectional_ranges") is not None for kw in calls)
