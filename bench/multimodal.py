@@ -59,6 +59,14 @@ MODELS: dict[str, dict[str, Any]] = {
     "idefics3": {"maker": "make_tiny_idefics3", "placeholder": "<image>", "kwargs": {
         "text_sizes": _TEXT, "vision_sizes": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
                                               "num_attention_heads": 2}}},
+    # Gemma 3: a 224-px SigLIP of 14-px patches pooled to 64 tokens an image (bidirectional within it), a GeGLU
+    # decoder whose sliding layers (five to a global one) look back 512 tokens.
+    "gemma3": {"maker": "make_tiny_gemma3_vl", "module": "pagedserve.testing_vlm", "placeholder": "<start_of_image>",
+               "kwargs": {"mm_tokens_per_image": 64,
+                          "text_sizes": {**_TEXT, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512,
+                                         "sliding_window_pattern": 6},
+                          "vision_sizes": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
+                                           "num_attention_heads": 2, "image_size": 224, "patch_size": 14}}},
 }
 
 
@@ -91,11 +99,12 @@ def closed_loop(add, step, count, concurrency):
 
 def make_model(name: str, root: Path) -> Path:
     """The folder of MODELS[name] under `root` (made once, seed 0)."""
-    import pagedserve.testing
+    import importlib
 
     folder = root / name
     if not (folder / "config.json").is_file():
-        getattr(pagedserve.testing, MODELS[name]["maker"])(folder, **MODELS[name]["kwargs"])
+        makers = importlib.import_module(MODELS[name].get("module", "pagedserve.testing"))
+        getattr(makers, MODELS[name]["maker"])(folder, **MODELS[name]["kwargs"])
         if name == "llava":
             _hub_names(folder / "model.safetensors")
     return folder

@@ -37,7 +37,11 @@ def make_tiny_gemma3_vl(path: str | Path, seed: int = 0, *, mm_tokens_per_image:
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=base.backend_tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=END_OF_TEXT,
         extra_special_tokens=GEMMA3_TOKENS)
-    images = transformers.Gemma3ImageProcessorPil(size={"height": 42, "width": 42})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=42,
+                  patch_size=7, vision_use_head=False)
+    vision = {**vision, **(vision_sizes or {})}  # a benchmark's larger one
+    side = int(vision["image_size"])
+    images = transformers.Gemma3ImageProcessorPil(size={"height": side, "width": side})
     transformers.Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=mm_tokens_per_image,
                                  chat_template=CHATML_TEMPLATE).save_pretrained(path)
     _ensure_chat_template_in_config(path)
@@ -49,9 +53,7 @@ def make_tiny_gemma3_vl(path: str | Path, seed: int = 0, *, mm_tokens_per_image:
                 rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
                 tie_word_embeddings=False, **ids)  # tied, this tiny decoder would echo its last token
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=42,
-                  patch_size=7, vision_use_head=False)
-    text, vision = {**text, **(text_sizes or {})}, {**vision, **(vision_sizes or {})}  # a benchmark's larger one
+    text = {**text, **(text_sizes or {})}
     token_ids = {f"{name}_index": tokenizer.convert_tokens_to_ids(tok) for name, tok in
                  (("boi_token", GEMMA3_TOKENS["boi_token"]), ("eoi_token", GEMMA3_TOKENS["eoi_token"]),
                   ("image_token", GEMMA3_TOKENS["image_token"]))}
