@@ -326,40 +326,68 @@ inline __mmask16 lane_mask(int64_t i, int64_t lo, int64_t hi) {
   return static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
 }
 
+// 16 vectors in, one out whose lane L reduces (by `op`: add or max) the lanes of v[(L % 4) * 4 + L / 4]: a row's
+// vector stored at v[(r % 4) * 4 + r / 4] gives lane r its total, 16 rows' horizontal reductions in 15 steps.
+template <typename Op>
+inline __m512 reduce16(const __m512* v, Op op) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = op(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    y[i] = op(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return op(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline int lane_slot(int64_t rr) { return static_cast<int>((rr % 4) * 4 + rr / 4); }
+
 // softmax_block for bf16 probabilities without a soft cap, in AVX-512: the maximum over the raw dot products
 // (the scale is positive), then exp(scale * s - m) as 2^(s * scale * log2 e - m * log2 e), one FMA per lane.
-// Two passes over the block's rows (maxima, then exponentials): no row waits on the previous one's reductions.
+// Two passes over the block's rows (maxima, then exponentials), each row's maximum and sum left in a vector and
+// the 16 rows' vectors reduced together (reduce16) rather than one horizontal reduction per row.
 bool softmax_block_avx512(const Problem& pb, const Item& it, int64_t r0, int64_t k0, Workspace& ws) {
   constexpr int64_t kVecs = kKeys / 16;
   constexpr float kLog2e = 1.44269504088896341f;
   int64_t lo[kRows], hi[kRows];
-  float alpha[kRows];
+  alignas(64) float row_max[kRows], row_sum[kRows];
+  __m512 lanes[kRows];
   bool any = false;
   for (int64_t rr = 0; rr < kRows; ++rr) {
     const int64_t r = r0 + rr, pos = ws.row_pos[r];
     lo[rr] = r < it.rows ? std::max<int64_t>(first_visible(pb, pos) - k0, 0) : kKeys;
     hi[rr] = r < it.rows ? std::min<int64_t>(pos + 1 - k0, kKeys) : 0;
-    if (lo[rr] >= hi[rr]) continue;
-    any = true;
-    const float* srow = ws.scores.data() + rr * kKeys;
     __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < kVecs; ++i) {
-      top = _mm512_mask_max_ps(top, lane_mask(i, lo[rr], hi[rr]), top, _mm512_loadu_ps(srow + 16 * i));
+    if (lo[rr] < hi[rr]) {
+      any = true;
+      const float* srow = ws.scores.data() + rr * kKeys;
+      for (int64_t i = 0; i < kVecs; ++i) {
+        top = _mm512_mask_max_ps(top, lane_mask(i, lo[rr], hi[rr]), top, _mm512_loadu_ps(srow + 16 * i));
+      }
     }
-    const float m_old = ws.m[r], m_new = std::max(m_old, _mm512_reduce_max_ps(top) * pb.scale);
-    // Past the first tiles the maximum seldom moves: no scalar exp then.
-    alpha[rr] = m_new == m_old ? 1.f : (m_old == -INFINITY ? 0.f : fast_exp(m_old - m_new));
-    ws.m[r] = m_new;
+    lanes[lane_slot(rr)] = top;
   }
+  if (!any) return false;
+  _mm512_store_ps(row_max, reduce16(lanes, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }));
+  float alpha[kRows];
   for (int64_t rr = 0; rr < kRows; ++rr) {
     uint16_t* prow = ws.pb.data() + rr * kKeys;
     if (lo[rr] >= hi[rr]) {
       std::memset(prow, 0, kKeys * sizeof(uint16_t));
+      lanes[lane_slot(rr)] = _mm512_setzero_ps();
       continue;
     }
     const int64_t r = r0 + rr;
+    const float m_old = ws.m[r], m_new = std::max(m_old, row_max[rr] * pb.scale);
+    // Past the first tiles the maximum seldom moves: no scalar exp then.
+    alpha[rr] = m_new == m_old ? 1.f : (m_old == -INFINITY ? 0.f : fast_exp(m_old - m_new));
+    ws.m[r] = m_new;
     const float* srow = ws.scores.data() + rr * kKeys;
-    const __m512 mul = _mm512_set1_ps(pb.scale * kLog2e), shift = _mm512_set1_ps(-ws.m[r] * kLog2e);
+    const __m512 mul = _mm512_set1_ps(pb.scale * kLog2e), shift = _mm512_set1_ps(-m_new * kLog2e);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t i = 0; i < kVecs; i += 2) {
       const __m512 e0 = exp2_16(lane_mask(i, lo[rr], hi[rr]),
@@ -369,7 +397,13 @@ bool softmax_block_avx512(const Problem& pb, const Item& it, int64_t r0, int64_t
       sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(prow + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
-    ws.l[r] = ws.l[r] * alpha[rr] + _mm512_reduce_add_ps(sum);
+    lanes[lane_slot(rr)] = sum;
+  }
+  _mm512_store_ps(row_sum, reduce16(lanes, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+  for (int64_t rr = 0; rr < kRows; ++rr) {
+    if (lo[rr] >= hi[rr]) continue;
+    const int64_t r = r0 + rr;
+    ws.l[r] = ws.l[r] * alpha[rr] + row_sum[rr];
     if (alpha[rr] != 1.f) {
       float* orow = ws.o.data() + r * pb.head_dim;
       const __m512 a = _mm512_set1_ps(alpha[rr]);
@@ -378,7 +412,7 @@ bool softmax_block_avx512(const Problem& pb, const Item& it, int64_t r0, int64_t
       }
     }
   }
-  return any;
+  return true;
 }
 
 // K as AMX's B operand of S = Q K^T: element (dim pair c, key j) = K[j][2c..2c+1] as one uint32, [D/2][kKeys].
