@@ -6,6 +6,7 @@ own tokens), and n = 3; the encoder cache encodes an image two prompts share onc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,9 @@ def test_config_and_checkpoint_names(gemma3_path: Path) -> None:
     ]:
         placed = family.placement(name, cfg)
         assert (placed.param, placed.selector) == (param, selector), name
+    hub = json.loads((gemma3_path / "config.json").read_text())
+    hub["text_config"].pop("eos_token_id")
+    assert ModelArchConfig.from_dict({**hub, "eos_token_id": [1, 106]}).eos_token_ids == (1, 106)
     raw = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"model_type": "llama"},
            "vision_config": {}}
     with pytest.raises(UnsupportedModelError, match="gemma3_text"):

@@ -38,6 +38,9 @@ class Gemma3VLArchConfig(Gemma3ArchConfig):
             raise UnsupportedModelError(f"vision_config model_type {vision.get('model_type')!r} is not supported in "
                                         f"{arch}; supported: siglip_vision_model")
         text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+        for key in ("eos_token_id", "bos_token_id"):  # the hub's folders keep them at the top level
+            if text.get(key) is None and raw.get(key) is not None:
+                text[key] = raw[key]
         fields = super()._fields("Gemma3ForCausalLM", text)
         vision = {"image_size": 896, "patch_size": 14, "hidden_size": 1152, "intermediate_size": 4304,
                   "num_hidden_layers": 27, "num_attention_heads": 16, **vision}  # SiglipVisionConfig's defaults
