@@ -223,8 +223,9 @@ def test_llama_attention_passes_the_step_ranges_through(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("name", CASE_IDS)
-@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (4, None), (6, 2.0)])
+@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (4, None), (6, 2.0), (40, None), (None, 3.0)])
 def test_cpu_equals_oracle(name, window, soft_cap):
+    # A window of 40 reaches key 0 from the early runs' rows (one unmasked pass) but not from the late ones.
     batch, ranges = _case(name, seed=4)
     torch.testing.assert_close(_call(attention_cpu, batch, ranges, window, soft_cap),
                                oracle(batch, ranges, window, soft_cap), **FP32_TOL)
@@ -250,18 +251,43 @@ def test_cpu_bf16_stays_within_bf16_rounding():
 
 
 @needs_native
-def test_cpu_masks_only_the_chunks_whose_ranges_reach_ahead(monkeypatch):
+def test_cpu_cuts_only_the_chunks_whose_ranges_reach_ahead(monkeypatch):
     from tests.support.kernel_checks import spy
 
     batch, ranges = _case("several", seed=7)
-    chunks = spy(monkeypatch, attention_cpu, "_prefill_chunk")
+    ranged, plain = spy(monkeypatch, attention_cpu, "_ranged_chunk"), spy(monkeypatch, attention_cpu, "_prefill_chunk")
+    runs = spy(monkeypatch, attention_cpu, "_run_rows")
     _call(attention_cpu, batch, ranges)
     # Sequences 1, 2 and 6 hold runs ahead of some query; 4's run ends at its first query, so it adds nothing.
-    assert [args[-1] is not None for args in chunks] == [True, True, False, True]
+    assert [args[4] for args in ranged] == [50, 17, 30]
+    assert [(args[4], args[5]) for args in runs] == [(30, (30, 41)), (43, (43, 50)), (3, (3, 14)), (18, (18, 23)),
+                                                     (24, (24, 29))]
+    # Causal rows between them end at their last position: sequence 4 whole, then the text around each run.
+    assert [(args[0].shape[0], args[4]) for args in plain] == [(4, 30), (3, 43), (1, 50), (3, 3), (4, 17), (3, 64),
+                                                               (2, 24), (2, 30)]
     one_token, one_token_ranges = _case("one-token-chunks")
-    # One-token chunks are their sequences' last tokens: only the five-token chunk (2) needs a mask.
+    # One-token chunks are their sequences' last tokens: only the five-token chunk (2) needs cutting.
     assert attention_cpu._ranged_sequences(one_token_ranges, one_token.cu_seqlens_q, one_token.seq_lens) == {2}
 
+
+def _detached(batch: PagedBatch) -> torch.Tensor:
+    """Ranges apart from their tokens (the contract allows any [lo, hi) up to seq_len): the first five queries of the
+    70-token chunk after a prefix see keys 50..59 ahead of them, the next five see keys 2..9 (all behind them)."""
+    ranges = torch.zeros(batch.query.shape[0], 2, dtype=torch.int32)
+    ranges[:5] = torch.tensor([50, 60])
+    ranges[5:10] = torch.tensor([2, 10])
+    return ranges
+
+
+@needs_native
+@pytest.mark.parametrize("window", [None, 12])
+def test_ranges_apart_from_their_tokens_equal_oracle(window):
+    from pagedserve.kernels.attention import triton as attention_triton
+
+    batch = make_batch([(40, 70), (1, 20)], 2, 2, 32, 16, seed=11)
+    ranges = _detached(batch)
+    for module in (reference, attention_cpu, attention_triton):
+        torch.testing.assert_close(_call(module, batch, ranges, window), oracle(batch, ranges, window), **FP32_TOL)
 
 # Under the interpreter: each case once, GQA 4 (one 64-row tile holds 16 tokens) and MHA, windows cutting into runs.
 TRITON_CASES = [

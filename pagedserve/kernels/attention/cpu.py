@@ -27,8 +27,8 @@ _decode_kernel = native.Function(
 # An fp8 cache (kernels.kv8) is read in place by the native kernels (dequantized in registers), or dequantized
 # after the gather on the SDPA path.
 SUPPORTS_FP8_KV = True
-# A chunk with bidirectional ranges (Gemma 3's image runs) runs masked SDPA over its own context; the step's other
-# sequences keep the native kernels.
+# A chunk with bidirectional ranges (Gemma 3's image runs) is cut into its causal rows (the usual paths) and each
+# run's rows (SDPA up to the run's end); the step's other sequences keep the native kernels.
 SUPPORTS_BIDIRECTIONAL = True
 # Tests set this to run the decode kernel's portable loops where the CPU has AVX-512 (the path AVX2 CPUs take).
 PORTABLE_DECODE = False
@@ -109,12 +109,9 @@ def _prefill_chunk(
     scale: float,
     mods: ScoreMods = NO_MODS,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's k_scale, v_scale
-    ranges: torch.Tensor | None = None,  # [q_len, 2]: each query's bidirectional [lo, hi)
 ) -> torch.Tensor:  # -> [q_len, Hq, D]
-    """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches (and
-    each query's bidirectional range: then masked SDPA)."""
-    plain = mods == NO_MODS and ranges is None
-    if ranges is None and cpu_prefill.preferred(query, key_cache):  # the native kernel over the block table (bf16 on AMX)
+    """Causal attention of one chunk whose last query sits at seq_len - 1, over the keys its window reaches."""
+    if cpu_prefill.preferred(query, key_cache):  # the native kernel over the block table (bf16 on AMX)
         return cpu_prefill.prefill_attention(query, key_cache, value_cache, table, seq_len, scale, mods,
                                              kv_scales=kv_scales)
     q_len, num_q_heads = query.shape[0], query.shape[1]
@@ -123,18 +120,17 @@ def _prefill_chunk(
     begin = 0 if window is None else max(0, seq_len - q_len - window + 1)
     # K/V repeated per query head: on the CPU SDPA's enable_gqa takes the slow math path, while 4-D
     # inputs of equal head counts reach the flash kernel (docs/benchmarks.md, offline throughput).
-    if q_len < seq_len and plain and _flash_with_lse is not None:
+    if q_len < seq_len and mods == NO_MODS and _flash_with_lse is not None:
         return _chunk_after_prefix(query, key_cache, value_cache, table, seq_len, scale, kv_scales)
     k = _context(key_cache, table, begin, seq_len, query.dtype, kv_scales[0]).repeat_interleave(group, 0)[None]
     v = _context(value_cache, table, begin, seq_len, query.dtype, kv_scales[1]).repeat_interleave(group, 0)[None]
     q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
-    if q_len == seq_len and plain:
+    if q_len == seq_len and mods == NO_MODS:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        # Query i sits at seq_len - q_len + i and sees keys up to there and in its range (within its window).
+        # Query i sits at seq_len - q_len + i and sees keys up to there (within its window).
         key_pos = torch.arange(begin, seq_len)
-        lo, hi = (None, None) if ranges is None else (ranges[:, :1].long(), ranges[:, 1:].long())
-        mask = mods.visible_or_ranged(key_pos[None, :], (seq_len - q_len + torch.arange(q_len))[:, None], lo, hi)
+        mask = mods.visible(key_pos[None, :], (seq_len - q_len + torch.arange(q_len))[:, None])
         o = mods.attend(q, k, v, mask, scale)
     return o[0].transpose(0, 1)
 
@@ -206,10 +202,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                         scale, mods=mods, k_scale=k_scale, v_scale=v_scale)
     for s in range(num_seqs):
         begin, end = starts[s], starts[s + 1]
+        chunk = _ranged_chunk if s in ranged else _prefill_chunk
         if end - begin > 1:
-            result[begin:end] = _prefill_chunk(query[begin:end], key_cache, value_cache, block_tables[s],
-                                               lengths[s], scale, mods, (k_scale, v_scale),
-                                               bidirectional_ranges[begin:end] if s in ranged else None)
+            result[begin:end] = chunk(query[begin:end], key_cache, value_cache, block_tables[s], lengths[s], scale,
+                                      mods, (k_scale, v_scale), *([bidirectional_ranges[begin:end]] if s in ranged
+                                                                  else []))
     return result
 
 
@@ -222,3 +219,66 @@ def _ranged_sequences(ranges: torch.Tensor | None, cu_seqlens_q: torch.Tensor, s
     seq_idx, pos_in_chunk = reference._token_coordinates(cu, ranges.shape[0])
     pos = (seq_lens.long() - (cu[1:] - cu[:-1]))[seq_idx] + pos_in_chunk
     return set(seq_idx[ranges[:, 1].long() > pos + 1].tolist())
+
+
+def _segments(ranges: list[list[int]], first_pos: int) -> list[tuple[int, int, tuple[int, int] | None]]:
+    """A ranged chunk's rows cut into runs of equal need: (begin, end, (lo, hi)) for rows whose range reaches a key
+    after them, (begin, end, None) for causal rows (a run's last token among them: its range reaches no further)."""
+    segments: list[tuple[int, int, tuple[int, int] | None]] = []
+    for i, (lo, hi) in enumerate(ranges):
+        need = (lo, hi) if hi > first_pos + i + 1 else None
+        if segments and segments[-1][2] == need:
+            segments[-1] = (segments[-1][0], i + 1, need)
+        else:
+            segments.append((i, i + 1, need))
+    return segments
+
+
+def _ranged_chunk(
+    query: torch.Tensor,  # [q_len, Hq, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    scale: float,
+    mods: ScoreMods,
+    kv_scales: tuple[float, float],
+    ranges: torch.Tensor,  # [q_len, 2]
+) -> torch.Tensor:  # -> [q_len, Hq, D]
+    """A chunk with bidirectional ranges: causal rows as a chunk ending at their last position (native or flash),
+    each run's rows by _run_rows."""
+    first_pos = seq_len - query.shape[0]
+    out = torch.empty_like(query)
+    for begin, end, need in _segments(ranges.tolist(), first_pos):
+        if need is None:
+            out[begin:end] = _prefill_chunk(query[begin:end], key_cache, value_cache, table, first_pos + end, scale,
+                                            mods, kv_scales)
+        else:
+            out[begin:end] = _run_rows(query[begin:end], key_cache, value_cache, table, first_pos + begin, need,
+                                       scale, mods, kv_scales)
+    return out
+
+
+def _run_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+              first_pos: int, run: tuple[int, int], scale: float, mods: ScoreMods,
+              kv_scales: tuple[float, float]) -> torch.Tensor:  # query [n, Hq, D] at first_pos.. -> [n, Hq, D]
+    """Rows of one range [lo, hi) that reaches past them. Where every row sees all keys before hi (the range meets
+    the causal keys, no window reaches back past key 0, no soft cap), one unmasked SDPA with each KV head's query
+    group stacked (no repeated K/V); otherwise masked SDPA over the keys the window reaches."""
+    n, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group, (lo, hi), window = num_q_heads // num_kv_heads, run, mods.sliding_window
+    begin = 0 if window is None else max(0, first_pos - window + 1)
+    k = _context(key_cache, table, begin, hi, query.dtype, kv_scales[0])  # [Hkv, L, D]
+    v = _context(value_cache, table, begin, hi, query.dtype, kv_scales[1])
+    q = query.transpose(0, 1)  # [Hq, n, D]
+    last_begin = 0 if window is None else first_pos + n - window  # the last row's window start
+    if lo <= first_pos + 1 and last_begin <= 0 and mods.soft_cap is None:
+        o = F.scaled_dot_product_attention(q.reshape(1, num_kv_heads, group * n, head_dim), k[None], v[None],
+                                           scale=scale)
+        return o.reshape(num_q_heads, n, head_dim).transpose(0, 1)
+    key_pos = torch.arange(begin, hi)
+    q_pos = (first_pos + torch.arange(n))[:, None]
+    mask = mods.visible_or_ranged(key_pos[None, :], q_pos, torch.tensor(lo), torch.tensor(hi))
+    o = mods.attend(q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None], mask, scale)
+    return o[0].transpose(0, 1)
