@@ -48,6 +48,9 @@ class CacheConfig:
     kv_cache_dtype: str = param("auto", "KV cache dtype: auto (the model's) or 8-bit floats, twice the blocks in "
                                 "the same memory (fp8 = fp8_e4m3; per-layer k/v scales from the checkpoint, "
                                 "else 1.0)", KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = param(True, "with an 8-bit KV cache, per-layer k/v scales computed once at start "
+                                      "from a calibration text (largest |K| / 200, |V| / 100, vLLM's rule) where "
+                                      "the checkpoint has none; false: 1.0 (vLLM's default)")
     kv_events_config: dict | None = param(
         None, 'publish KV cache events to routers, vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"} (core/kv_events.py)')
@@ -76,6 +79,9 @@ class CacheConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
                               "kv_cache_dtype")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ConfigError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}",
+                              "calculate_kv_scales")
         KVEventsConfig.from_dict(self.kv_events_config)
 
     @property

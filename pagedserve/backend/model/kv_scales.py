@@ -22,6 +22,9 @@ _KV_SCALE = re.compile(
 )
 
 KVScales = dict[int, dict[str, float]]  # layer index -> {"k_scale": s, "v_scale": s}
+# The attribute of an Attention naming the scales its checkpoint gave ({"k_scale", "v_scale"} or part): kept as
+# given when the others are computed (kv_calibration.py).
+CHECKPOINT_SCALES = "checkpoint_kv_scales"
 
 
 def take_kv_scale(name: str, tensor: torch.Tensor, found: KVScales) -> bool:
@@ -50,3 +53,4 @@ def apply_kv_scales(model: nn.Module, found: KVScales) -> None:
         if isinstance(module, Attention) and module.layer_idx in found:
             for attr, value in found[module.layer_idx].items():
                 setattr(module, attr, value)
+            setattr(module, CHECKPOINT_SCALES, frozenset(found[module.layer_idx]))

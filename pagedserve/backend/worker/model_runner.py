@@ -17,6 +17,8 @@ from pagedserve.backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedserve.backend.model import LlamaForCausalLM, ModelArchConfig, load_model, resolve_dtype
 from pagedserve.backend.model.attention import AttentionMetadata
 from pagedserve.backend.model.cpu_linear import can_prepack, prepack_linears
+from pagedserve.backend.model.kv_calibration import calculate_kv_scales, calibration_ids
+from pagedserve.backend.model.loader import load_tokenizer
 from pagedserve.backend.worker.lora import LoRAManager, LoRAShard
 from pagedserve.backend.worker.multimodal import EncoderRunner
 from pagedserve.backend.worker.parallel import StepPlan, TensorParallel
@@ -130,6 +132,8 @@ class ModelRunner:
         # Under tensor parallelism each rank holds its own heads' cache in this dtype (an encoder's stays empty).
         self.kv_cache_dtype = kv8.cache_dtype(cache_config.kv_cache_dtype, self.dtype)
         self._check_kv_cache_dtype(cache_config.kv_cache_dtype)
+        if cache_config.calculate_kv_scales and self.keeps_kv and kv8.is_fp8(torch.empty((), dtype=self.kv_cache_dtype)):
+            self._calculate_kv_scales(model_config.model, max_position)
         self.num_blocks = self._num_blocks(cache_config, scheduler_config)
         if tp is not None:
             self.num_blocks = tp.agree_num_blocks(self.num_blocks)
@@ -171,6 +175,16 @@ class ModelRunner:
         except (RuntimeError, NotImplementedError, TypeError) as error:
             raise ConfigError(f"kv_cache_dtype {name!r} cannot be read on {self.device} with {self.dtype} "
                               f"activations: {error}", "kv_cache_dtype") from error
+
+    def _calculate_kv_scales(self, model_path: str, max_position: int) -> None:
+        """Each layer's K/V scales from one forward over the calibration text (every rank together, before
+        its first collective of the block count), where the checkpoint gave none; fixed from then on."""
+        token_ids = calibration_ids(load_tokenizer(model_path), max_position)
+        scales = calculate_kv_scales(self.model, self.arch, token_ids, self.dtype, self.device, self.block_size)
+        if scales:
+            k, v = ([pair[i] for pair in scales.values()] for i in range(2))
+            logger.info("KV cache scales computed over %d tokens for %d layers: k %.3g-%.3g, v %.3g-%.3g",
+                        len(token_ids), len(scales), min(k), max(k), min(v), max(v))
 
     @functools.cached_property
     def encoder(self) -> EncoderRunner | None:
