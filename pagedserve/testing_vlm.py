@@ -34,6 +34,7 @@ def make_tiny_gemma3_vl(path: str | Path, seed: int = 0, *, mm_tokens_per_image:
     path.mkdir(parents=True, exist_ok=True)
     base = build_tokenizer()
     base.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    base.add_tokens(["\n", "\n\n", "\n\n\n", "\n\n\n\n"])  # Gemma's vocabulary has these (vLLM's processor looks them up)
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=base.backend_tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=END_OF_TEXT,
         extra_special_tokens=GEMMA3_TOKENS)

@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 IMAGES = [tiny_image(30, 40, seed=0), tiny_image(80, 20, seed=1), tiny_image(200, 60, seed=2)]  # each to 42x42
 RUN = 9  # image tokens an image (3x3 pooled from 6x6 patches), between its begin / end markers
 PROMPTS: list[tuple[str, list[Any]]] = [
-    (f"Describe {GEMMA3_IMAGE} in one line please.", [IMAGES[0]]),  # its run: positions 11 .. 19
+    (f"Describe {GEMMA3_IMAGE} in one line please.", [IMAGES[0]]),  # its run: positions 10 .. 18
     (f"Hello {GEMMA3_IMAGE} and {GEMMA3_IMAGE}: which is bigger?", [IMAGES[1], IMAGES[2]]),
     (f"{GEMMA3_IMAGE}The quick brown fox", [IMAGES[2]]),
 ]
@@ -107,7 +107,7 @@ def test_chunk_ends_move_to_the_image_start_and_keep_the_tokens(gemma3_path, exp
     chunks = _record_chunks(engine)
     assert _run(engine, PROMPTS) == expected
     runs = {f"r{i}": image_runs(engine.image_processor.process(*prompt).images) for i, prompt in enumerate(PROMPTS)}
-    assert ("r0", 0, 11) in chunks  # 12 tokens would have ended inside the run at 11 .. 19
+    assert ("r0", 0, 10) in chunks  # 12 tokens would have ended inside the run at 10 .. 18
     assert not [(rid, end) for rid, _, end in chunks for lo, hi in runs[rid] if lo < end < hi]
 
 
@@ -127,7 +127,7 @@ def test_preemption_recomputes_whole_runs(gemma3_path, expected):
 
 
 def test_prefix_hit_inside_a_run_and_another_image_misses(gemma3_path, reference, processor):
-    prompt = (f"Look at {GEMMA3_IMAGE}", [IMAGES[0]])  # 22 tokens, its run 10 .. 18
+    prompt = (f"Look at {GEMMA3_IMAGE}", [IMAGES[0]])  # 20 tokens, its run 9 .. 17
     other = (prompt[0], [IMAGES[2]])
     want = transformers_greedy(reference, processor, [prompt, other], MAX_NEW)
     engine = vlm_engine(gemma3_path, block_size=8, max_num_batched_tokens=12)
@@ -136,7 +136,7 @@ def test_prefix_hit_inside_a_run_and_another_image_misses(gemma3_path, reference
     hits = engine.scheduler.prefix_cache_hits
     assert _run(engine, [prompt], prefix="b")[0] == want[0]
     assert engine.scheduler.prefix_cache_hits - hits == 16  # two blocks: the second ends inside the run
-    assert chunks[0] == ("b0", 16, 22)  # from inside the run to its end and past
+    assert chunks[0] == ("b0", 16, 20)  # from inside the run to its end and past
     hits = engine.scheduler.prefix_cache_hits
     assert _run(engine, [other], prefix="c")[0] == want[1] != want[0]
     assert engine.scheduler.prefix_cache_hits - hits == 8  # the block before the image only
