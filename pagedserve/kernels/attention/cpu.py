@@ -202,11 +202,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                         scale, mods=mods, k_scale=k_scale, v_scale=v_scale)
     for s in range(num_seqs):
         begin, end = starts[s], starts[s + 1]
-        chunk = _ranged_chunk if s in ranged else _prefill_chunk
-        if end - begin > 1:
-            result[begin:end] = chunk(query[begin:end], key_cache, value_cache, block_tables[s], lengths[s], scale,
-                                      mods, (k_scale, v_scale), *([bidirectional_ranges[begin:end]] if s in ranged
-                                                                  else []))
+        if s in ranged:
+            result[begin:end] = _ranged_chunk(query[begin:end], key_cache, value_cache, block_tables[s], lengths[s],
+                                              scale, mods, (k_scale, v_scale), bidirectional_ranges[begin:end])
+        elif end - begin > 1:
+            result[begin:end] = _prefill_chunk(query[begin:end], key_cache, value_cache, block_tables[s],
+                                               lengths[s], scale, mods, (k_scale, v_scale))
     return result
 
 
