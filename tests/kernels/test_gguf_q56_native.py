@@ -130,15 +130,16 @@ def test_llama_quantize_s_tensors_in_narrow_codes_are_its_own_values(name):
 
 @pytest.fixture(scope="module")
 def avx2_gemm(tmp_path_factory):
-    """quant_gemm.cpp built for AVX2 (x86-64-v3) alone: its portable vector code, not the AVX-512 paths."""
+    """quant_gemm.cpp (with quant_gemv_i8.cpp, which has no AVX2 path and declines every call) built for AVX2
+    (x86-64-v3) alone: its portable vector code, not the AVX-512 paths."""
     compiler = native._compiler()
     if compiler is None or shutil.which(compiler) is None:
         pytest.skip("no C++ compiler")
     kernels = Path(native.__file__).resolve().parent.parent
     out = tmp_path_factory.mktemp("avx2") / "quant_gemm_avx2.so"
     flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-    result = subprocess.run([compiler, *flags, str(kernels / "quant_linear" / "quant_gemm.cpp"), "-o", str(out)],
-                            capture_output=True, text=True, check=False)
+    sources = [str(kernels / "quant_linear" / name) for name in ("quant_gemm.cpp", "quant_gemv_i8.cpp")]
+    result = subprocess.run([compiler, *flags, *sources, "-o", str(out)], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         pytest.skip(f"no AVX2 build: {result.stderr[-300:]}")
     function = ctypes.CDLL(str(out)).pagedserve_quant_gemm

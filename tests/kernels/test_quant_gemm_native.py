@@ -153,3 +153,41 @@ def test_int4_groups_that_are_not_whole_words_fall_back():
     assert not native_gemm.fits(w4)
     x = torch.randn(2, 96)
     torch.testing.assert_close(cpu.quant_linear(x, w4), reference.quant_linear(x, w4), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("group_size", "offsets", "half"), [(32, False, True), (None, False, False), (16, True, True),
+                                                             (32, True, False)])
+def test_one_bf16_row_against_int8_tiles_is_the_exact_product_rounded_once(group_size, offsets, half):
+    w = _weight(37, 256, 8, group_size, offsets, half, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    for x in (torch.randn(1, 256, generator=gen), torch.randn(1, 256, generator=gen) * 2.0 ** torch.randint(
+            -20, 20, (1, 256), generator=gen)):  # a spread of exponents too wide for the digits: the fp32 path
+        x = x.bfloat16()
+        out = cpu.quant_linear(x, w).double()
+        exact = _exact(x, w)
+        assert ((out - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+        native_gemm.set_int8_dots(False)
+        try:
+            other = cpu.quant_linear(x, w).double()
+        finally:
+            native_gemm.set_int8_dots(True)
+        assert ((out - other).abs() <= other.abs() * 2**-7 + 1e-6).all()
+
+
+@pytest.mark.skipif(not native_gemm.int8_dots_built(), reason="no AVX-512 VNNI / VBMI")
+@pytest.mark.parametrize("group_size", [32, None])
+def test_integer_dots_sum_a_group_exactly_where_fp32_sums_lose_it(group_size):
+    # 2^24 + 1 - 2^24: summed in fp32 the 1 is lost; the integer digits keep it. The other k's integers span all
+    # of int8 (so the weight is held as int8 codes, not narrow ones) and meet zeros.
+    q = torch.randint(-128, 128, (16, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    q[:, :3] = 1
+    w = ql.from_int_values(q, torch.ones(16, 64 // (group_size or 64)).half(), None, 8, group_size or 64)
+    assert native_gemm.pack(w).bits == 8
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    x[0, :3] = torch.tensor([2.0**24, 1.0, -(2.0**24)])
+    assert torch.equal(cpu.quant_linear(x, w), torch.ones(1, 16, dtype=torch.bfloat16))
+    native_gemm.set_int8_dots(False)
+    try:
+        assert torch.equal(cpu.quant_linear(x, w), torch.zeros(1, 16, dtype=torch.bfloat16))
+    finally:
+        native_gemm.set_int8_dots(True)

@@ -7,6 +7,8 @@ carries that factoring (GGUF K-quants), else fp16 where that holds them exactly,
 An int8 weight whose integers span at most 16, 32 or 64 values (GGUF's Q3_K, Q5_0, Q5_1, Q5_K, Q6_K) is held as
 4-, 5- or 6-bit codes q - bias: int4 words of the low nibbles and, for 5 and 6 bits, a word per row of the high
 bits per chunk of 32 or 16 k (HIGH_BITS_AT), which the kernel unpacks in registers.
+One bf16 activation row against int8 tiles (GGUF Q8_0: a decode step's lm_head) runs exact integer dot products
+where the CPU has AVX-512 VNNI (`quant_gemv_i8.cpp`: the row's groups as int8 digits, int32 sums per digit).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ _gemm = native.Function(
      3: "native quantized GEMM: K must be whole groups, of whole words or chunks (8 k for 4 bits, 32 for 5, 16 for 6)",
      4: "native quantized GEMM: scale steps need whole super-blocks of groups"},
 )
+_int8_dots = native.Function("pagedserve_quant_gemm_int8_dots", [ctypes.c_int])
+_int8_dots_built = native.Function("pagedserve_quant_gemv_i8_built", [ctypes.POINTER(ctypes.c_int)])
 # How the tiles hold scales and offsets (ParamsKind in quant_gemm.cpp).
 FLOAT32, FLOAT16, STEPS_TIMES_HALF = 0, 1, 2
 # Below 64 tiles per thread, one call is cheaper than handing work to another thread.
@@ -195,6 +199,23 @@ def params_unpacker(packed: NativePacked):
         return read(packed.scales, packed.supers[0], tile, lane), read(packed.offsets, packed.supers[1], tile, lane)
 
     return unpack
+
+
+def set_int8_dots(on: bool) -> None:
+    """Whether one activation row against int8 tiles runs quant_gemv_i8.cpp's exact integer dot products (VNNI;
+    the default where the CPU has them) or the fp32 / bf16 path (off: for comparisons)."""
+    if native.load() is not None:
+        _int8_dots(int(on))
+
+
+def int8_dots_built() -> bool:
+    """True when the native library has the integer-dot path for one bf16 row against int8 tiles (the CPU has
+    AVX-512 VNNI and VBMI)."""
+    if native.load() is None:
+        return False
+    built = ctypes.c_int(0)
+    _int8_dots_built(ctypes.byref(built))
+    return bool(built.value)
 
 
 def gemm(x: torch.Tensor, packed: NativePacked) -> torch.Tensor:

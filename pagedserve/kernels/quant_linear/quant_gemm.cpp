@@ -483,7 +483,20 @@ void run(const T* x_in, T* out, Problem p, int64_t m, int bits, int64_t bias, in
   }
 }
 
+bool int8_dots = true;  // one row of int8 tiles through quant_gemv_i8.cpp (pagedserve_quant_gemm_int8_dots)
+
 }  // namespace
+
+extern "C" int pagedserve_quant_gemv_i8(const void* x, void* out, const void* q, const void* scales,
+                                        const void* offsets, const void* scale_super, const void* offset_super,
+                                        int64_t n, int64_t k, int64_t group_size, int64_t kind, int64_t per_super,
+                                        int64_t tile_begin, int64_t tile_end, int dtype);
+
+// Whether one activation row against int8 tiles takes the exact integer-dot path (on: 1; off: 0, for A/B).
+extern "C" int pagedserve_quant_gemm_int8_dots(int on) {
+  int8_dots = on != 0;
+  return 0;
+}
 
 // x [M, K] and out [M, N] in `dtype`; q, scales and offsets (may be null) packed as described above, the codes of
 // `bits` bits with values code + `bias` (bits 8: bias 0), `kind` a ParamsKind (kStepsTimesHalf: scale_super /
@@ -502,6 +515,11 @@ extern "C" int pagedserve_quant_gemm(const void* x, void* out, const void* q, co
   if (kind < kFloat32 || kind > kStepsTimesHalf ||
       (kind == kStepsTimesHalf && (per_super < 1 || (k / group_size) % per_super != 0))) {
     return 4;
+  }
+  if (m == 1 && bits == 8 && int8_dots &&
+      pagedserve_quant_gemv_i8(x, out, q, scales, offsets, scale_super, offset_super, n, k, group_size, kind,
+                               per_super, tile_begin, tile_end, dtype) == 0) {
+    return 0;
   }
   Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q), nullptr, scales, offsets, kind,
             static_cast<const uint16_t*>(scale_super), static_cast<const uint16_t*>(offset_super), per_super,
