@@ -210,7 +210,7 @@ def test_from_pretrained_takes_every_parameter_into_its_config():
                "encoder_cache_size": 64, "limit_mm_per_prompt": {"image": 2}, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8,
                "max_cpu_loras": 3, "kv_events_config": {"enable_kv_cache_events": True},
                "data_parallel_rank": 1, "kv_cache_dtype": "fp8_e5m2",
-               "calculate_kv_scales": False}
+               "calculate_kv_scales": True}
     assert set(options) == set(CONFIG_FIELDS[ModelConfig] + CONFIG_FIELDS[CacheConfig]
                                + CONFIG_FIELDS[SchedulerConfig] + CONFIG_FIELDS[LoRAConfig])
     args = engine_args("/m", {**options, "speculative_config": '{"num_speculative_tokens": 2}',

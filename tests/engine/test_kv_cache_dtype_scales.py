@@ -47,15 +47,17 @@ def test_computed_scales_come_from_the_calibration_text_once_and_stay_frozen(tin
 
 def test_the_calibration_text_is_cut_to_max_model_len(tiny_llama_path):
     # Past max_model_len the rotary table has no row: the text's first 32 tokens only.
-    engine = make_engine(tiny_llama_path, "fp8", max_model_len=32)
+    engine = make_engine(tiny_llama_path, "fp8", max_model_len=32, calculate_kv_scales=True)
     computed = [s for pair in _scales(engine) for s in pair]
     assert computed == pytest.approx(_expected(tiny_llama_path, engine), rel=1e-6)
-    assert computed != [s for pair in _scales(make_engine(tiny_llama_path, "fp8")) for s in pair]
+    assert computed != [s for pair in _scales(make_engine(tiny_llama_path, "fp8", calculate_kv_scales=True))
+                        for s in pair]
 
 
-@pytest.mark.parametrize(("kv_cache_dtype", "calculate"), [("auto", True), ("fp8", False)])
+@pytest.mark.parametrize(("kv_cache_dtype", "calculate"), [("auto", True), ("fp8", False), ("fp8", None)])
 def test_scales_stay_one_without_an_fp8_cache_or_the_parameter(tiny_llama_path, kv_cache_dtype, calculate):
-    engine = make_engine(tiny_llama_path, kv_cache_dtype, calculate_kv_scales=calculate)
+    settings = {} if calculate is None else {"calculate_kv_scales": calculate}  # None: the default, off (vLLM's)
+    engine = make_engine(tiny_llama_path, kv_cache_dtype, **settings)
     assert _scales(engine) == [(1.0, 1.0), (1.0, 1.0)]
 
 

@@ -48,9 +48,9 @@ class CacheConfig:
     kv_cache_dtype: str = param("auto", "KV cache dtype: auto (the model's) or 8-bit floats, twice the blocks in "
                                 "the same memory (fp8 = fp8_e4m3; per-layer k/v scales from the checkpoint, "
                                 "else 1.0)", KV_CACHE_DTYPES)
-    calculate_kv_scales: bool = param(True, "with an 8-bit KV cache, per-layer k/v scales computed once at start "
+    calculate_kv_scales: bool = param(False, "with an 8-bit KV cache, per-layer k/v scales computed once at start "
                                       "from a calibration text (largest |K| / 200, |V| / 100, vLLM's rule) where "
-                                      "the checkpoint has none; false: 1.0 (vLLM's default)")
+                                      "the checkpoint has none, instead of 1.0")
     kv_events_config: dict | None = param(
         None, 'publish KV cache events to routers, vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"} (core/kv_events.py)')
