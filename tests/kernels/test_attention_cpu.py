@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import pytest
 import torch
 
@@ -89,14 +92,46 @@ def test_without_a_compiler_the_cpu_attention_falls_back_to_the_reference(monkey
 
 
 def test_native_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
+    # Two one-line sources stand in for the kernels: the cache logic is the same, the build takes a second.
+    sources = [tmp_path / "a.cpp", tmp_path / "b.cpp"]
+    for index, source in enumerate(sources):
+        source.write_text(f'extern "C" int pagedserve_probe_{index}(void) {{ return {index}; }}\n')
+    monkeypatch.setattr(native, "SOURCES", tuple(sources))
+    monkeypatch.setattr(native, "HEADERS", ())
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_load_failed", False)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     if native.load() is None:
         pytest.skip("no C++ compiler for the native kernel")
+    assert native.load().pagedserve_probe_1() == 1  # every source compiled and linked into the one library
     built = list((tmp_path / "kernels").glob("pagedserve_cpu-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_library", None)
     assert native.load() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    sources[1].write_text('extern "C" int pagedserve_probe_1(void) { return 7; }\n')
+    monkeypatch.setattr(native, "_library", None)
+    assert native.load().pagedserve_probe_1() == 7  # another source, another library
+    assert len(list((tmp_path / "kernels").glob("pagedserve_cpu-*.so"))) == 2
+
+
+def test_two_builders_of_one_library_compile_it_once(monkeypatch, tmp_path):
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler for the native kernel")
+    source = tmp_path / "a.cpp"
+    source.write_text('extern "C" int pagedserve_probe(void) { return 3; }\n')
+    monkeypatch.setattr(native, "SOURCES", (source,))
+    commands = []
+    run = native._run_compiler
+    monkeypatch.setattr(native, "_run_compiler", lambda command: (commands.append(command), run(command)))
+    target = tmp_path / "kernels" / "pagedserve_cpu-test.so"
+    # Separate threads open the lock file separately: flock excludes them as it does two worker processes.
+    builders = [threading.Thread(target=native._build, args=(compiler, target)) for _ in range(2)]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
+    assert len(commands) == 2  # one compile, one link: the second builder found the library made
+    assert ctypes.CDLL(str(target)).pagedserve_probe() == 3

@@ -9,6 +9,7 @@ keyed by a hash of the sources, flags, compiler and CPU. Where no compiler is fo
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -16,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -77,20 +79,31 @@ def _library_path(compiler: str) -> Path:
 
 
 def _build(compiler: str, target: Path) -> None:
-    """Compile into a temporary file, then rename: concurrent builders never load a half-written library."""
+    """Compile each source on its own core, link into a temporary file, then rename: concurrent builders never
+    load a half-written library. A lock beside the target makes a second process (another test worker, another
+    engine) wait for the first build instead of repeating it."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                                check=False)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return
+        with tempfile.TemporaryDirectory(prefix=target.stem, dir=target.parent) as work:
+            compile_flags = [flag for flag in FLAGS if flag != "-shared"]
+            objects = [Path(work, f"{index}-{src.stem}.o") for index, src in enumerate(SOURCES)]
+            commands = [[compiler, *compile_flags, "-c", str(src), "-o", str(obj)]
+                        for src, obj in zip(SOURCES, objects, strict=True)]
+            with ThreadPoolExecutor(max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+                list(pool.map(_run_compiler, commands))
+            tmp = Path(work, "library.so")
+            _run_compiler([compiler, *FLAGS, *map(str, objects), "-o", str(tmp)])
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+
+
+def _run_compiler(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {result.stderr.strip()[-2000:]}")
 
 
 def load() -> ctypes.CDLL | None:
