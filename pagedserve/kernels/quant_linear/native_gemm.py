@@ -228,6 +228,9 @@ def gemm(x: torch.Tensor, packed: NativePacked) -> torch.Tensor:
     code = _DTYPE_CODES[x.dtype]
     pointers, sizes = packed.weight_args[:5], packed.weight_args[5:]
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
+    if tiles < 2 * _split.min_per_thread:  # one range (the splitter's own choice), without its call: ~120 a token
+        _gemm(x_ptr, out_ptr, *pointers, m, *sizes, 0, tiles, code)
+        return out
 
     def run(begin: int, end: int) -> None:
         _gemm(x_ptr, out_ptr, *pointers, m, *sizes, begin, end, code)
