@@ -105,13 +105,13 @@ def make_model(name: str, root: Path) -> Path:
     if not (folder / "config.json").is_file():
         makers = importlib.import_module(MODELS[name].get("module", "pagedserve.testing"))
         getattr(makers, MODELS[name]["maker"])(folder, **MODELS[name]["kwargs"])
-        if name == "llava":
+        if name in ("llava", "gemma3"):
             _hub_names(folder / "model.safetensors")
     return folder
 
 
 def _hub_names(path: Path) -> None:
-    """Rename the vision tower's tensors as the hub's llava-hf folders store them (vision_tower.vision_model.*):
+    """Rename the vision tower's tensors as the hub's llava-hf (and Gemma 3) folders store them (vision_tower.vision_model.*):
     transformers 5 saves them one level up, which vLLM's loader does not map; transformers and pagedserve
     read either."""
     from safetensors.torch import load_file, save_file
@@ -214,6 +214,14 @@ _VLLM_SITECUSTOMIZE = textwrap.dedent(
         raise NotImplementedError("Pixtral images are not part of bench/multimodal.py")
     stand_in._num_image_tokens = _num_image_tokens
     sys.modules[stand_in.__name__] = stand_in
+    gemma3 = types.ModuleType("transformers.models.gemma3.image_processing_gemma3")
+    def _gemma3_attribute(name):
+        if name == "Gemma3ImageProcessor":  # what vLLM's gemma3_mm imports: the Pillow class serves it
+            from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+            return Gemma3ImageProcessorPil
+        raise AttributeError(name)
+    gemma3.__getattr__ = _gemma3_attribute
+    sys.modules[gemma3.__name__] = gemma3
     """
 )
 _VLLM_MAIN = textwrap.dedent(
