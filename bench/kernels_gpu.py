@@ -94,6 +94,36 @@ def _attention_checks(device: torch.device, dry: bool) -> list[dict]:
     return results
 
 
+def _image_ranges(lens: list[tuple[int, int]], runs: dict[int, tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """[T, 2] bidirectional ranges: a query inside its sequence's image run [a, b) sees the run, others [0, 0)."""
+    rows = []
+    for s, (q_len, seq_len) in enumerate(lens):
+        a, b = runs.get(s, (0, 0))
+        rows += [(a, b) if a <= pos < b else (0, 0) for pos in range(seq_len - q_len, seq_len)]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def _bidirectional_checks(device: torch.device, dry: bool) -> list[dict]:
+    """Gemma 3's image runs (256 tokens, seen both ways) through the prefill tiles: a run inside a chunk after a
+    prefix, one in a fresh prompt, one cut by its chunk's start, beside decodes; full and sliding layers."""
+    from pagedserve.kernels.attention import reference
+    from pagedserve.kernels.attention import triton as attention_triton
+
+    hq, hkv, d, bs = (8, 4, 256, 16) if not dry else (4, 2, 64, 16)
+    lens = [(512, 1024), (1, 3000), (300, 300), (1, 700), (260, 2000)] if not dry else [(9, 30), (1, 20), (6, 6)]
+    runs = {0: (600, 856), 2: (10, 266), 4: (1700, 1956)} if not dry else {0: (22, 28), 2: (1, 5)}
+    pa, _ = paged_batch(lens, hq, hkv, d, bs, torch.bfloat16, device, seed=31)
+    ranges = _image_ranges(lens, runs, device)
+    results = []
+    for window in (None, 1024 if not dry else 4):
+        want = reference.paged_attention(pa[0].float(), pa[1].float(), pa[2].float(), *pa[3:],
+                                         sliding_window=window, bidirectional_ranges=ranges)
+        got = attention_triton.paged_attention(*pa, sliding_window=window, bidirectional_ranges=ranges)
+        results.append(_check(f"paged_attention image runs window={window} Hq={hq} Hkv={hkv} D={d}", got, want,
+                              2e-2, 2e-2))
+    return results
+
+
 def _row_checks(device: torch.device, dry: bool) -> list[dict]:
     """The cache writes (bit-exact), rotary embedding, RMSNorm and SiLU-and-mul at serving sizes."""
     from pagedserve.kernels.activation import reference as activation_reference
@@ -267,7 +297,8 @@ def _moe_checks(device: torch.device, dry: bool) -> list[dict]:
 
 def gpu_correctness(device: torch.device, dry: bool) -> list[dict]:
     """Every Triton kernel against its torch reference at serving sizes (tiny sizes in a dry run)."""
-    return (_attention_checks(device, dry) + _row_checks(device, dry) + _quant_linear_checks(device, dry)
+    return (_attention_checks(device, dry) + _bidirectional_checks(device, dry) + _row_checks(device, dry)
+            + _quant_linear_checks(device, dry)
             + _bitmask_checks(device, dry) + _lora_checks(device, dry) + _moe_checks(device, dry))
 
 

@@ -393,3 +393,14 @@ def test_gemma3_vlm_on_triton_kernels_matches_transformers_greedy(tmp_path, monk
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert greedy_tokens(engine, prompts, params) == expected
     assert any(kw.get("bidirectional_ranges") is not None for kw in calls)
+
+
+def test_the_gpu_checks_image_run_part_passes_as_its_dry_run(monkeypatch):
+    # bench/kernels_gpu.py's check a GPU session runs (Gemma 3's heads there), tiny sizes under the interpreter here.
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import kernels_gpu
+
+    results = kernels_gpu._bidirectional_checks(torch.device("cpu"), dry=True)
+    assert len(results) == 2 and all(r["ok"] for r in results), results
