@@ -2,7 +2,8 @@
 tokens equal generate with the same images (one and two images of different sizes; each image's tokens attend to
 each other, in the sliding layers within the window), under chunks whose boundary moves to an image's start, a
 pool that forces preemption, prefix hits (one ending inside an image's run; another image misses and gives its
-own tokens), and n = 3; the encoder cache encodes an image two prompts share once."""
+own tokens), many requests sharing a 12-token budget, and n = 3; the encoder cache encodes an image two prompts
+share once."""
 
 from __future__ import annotations
 
@@ -197,3 +198,16 @@ def test_the_shim_and_cli_placeholder_is_the_processors(gemma3_path, processor) 
     from pagedserve.client.openai.images import image_placeholder
 
     assert image_placeholder(str(gemma3_path)) == processor.image_token == GEMMA3_IMAGE
+
+
+def test_many_requests_share_a_small_budget_with_prefix_hits_inside_runs(gemma3_path, reference, processor,
+                                                                         expected):
+    prompts = [(f"Look at {GEMMA3_IMAGE}", [IMAGES[i % 2]]) for i in range(6)] + PROMPTS
+    want = transformers_greedy(reference, processor, prompts[:2], MAX_NEW)
+    engine = vlm_engine(gemma3_path, block_size=8, max_num_batched_tokens=12)
+    chunks = _record_chunks(engine)
+    got = _run(engine, prompts)
+    assert got[:6] == want * 3 and got[6:] == expected
+    runs = {f"r{i}": image_runs(engine.image_processor.process(*prompt).images) for i, prompt in enumerate(prompts)}
+    assert not [(rid, end) for rid, _, end in chunks for lo, hi in runs[rid] if lo < end < hi]
+    assert [(rid, start) for rid, start, _ in chunks if start == 16 and rid in ("r2", "r3", "r4", "r5")]
