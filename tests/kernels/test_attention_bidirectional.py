@@ -270,6 +270,36 @@ def test_cpu_cuts_only_the_chunks_whose_ranges_reach_ahead(monkeypatch):
     assert attention_cpu._ranged_sequences(one_token_ranges, one_token.cu_seqlens_q, one_token.seq_lens) == {2}
 
 
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.parametrize("name", CASE_IDS)
+@pytest.mark.parametrize(("window", "soft_cap", "dtype"), [(None, None, torch.float32), (40, 2.0, torch.float32),
+                                                           (None, None, torch.bfloat16)])
+def test_cpu_native_run_rows_equal_oracle(name, window, soft_cap, dtype, monkeypatch, one_thread):
+    # Where the native prefill kernel is preferred (bf16 on AMX; forced here, so fp32 takes its portable loops), a
+    # run's rows that all see keys [0, hi) go to it as one query at hi - 1 with every row stacked in its groups.
+    from pagedserve.kernels.attention import cpu_prefill
+    from tests.support.kernel_checks import spy
+
+    monkeypatch.setattr(cpu_prefill, "preferred", lambda query, key_cache: True)
+    _, lens, runs = CASES[CASE_IDS.index(name)]
+    batch = make_batch(lens, 2, 4, 64, 16, dtype=dtype, seed=12)
+    ranges = runs_to_ranges(batch, runs)
+    native = spy(monkeypatch, attention_cpu, "_native_run")
+    out = _call(attention_cpu, batch, ranges, window, soft_cap)
+    # The one run of "one-token-chunks" that reaches ahead (rows 43..46) sits past a window of 40: masked SDPA.
+    assert bool(native) == (name != "one-token-chunks" or window is None)
+    torch.testing.assert_close(out.float(), oracle(batch, ranges, window, soft_cap),
+                               **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
 def _detached(batch: PagedBatch) -> torch.Tensor:
     """Ranges apart from their tokens (the contract allows any [lo, hi) up to seq_len): the first five queries of the
     70-token chunk after a prefix see keys 50..59 ahead of them, the next five see keys 2..9 (all behind them)."""

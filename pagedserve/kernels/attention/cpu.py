@@ -264,17 +264,21 @@ def _run_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
               first_pos: int, run: tuple[int, int], scale: float, mods: ScoreMods,
               kv_scales: tuple[float, float]) -> torch.Tensor:  # query [n, Hq, D] at first_pos.. -> [n, Hq, D]
     """Rows of one range [lo, hi) that reaches past them. Where every row sees all keys before hi (the range meets
-    the causal keys, no window reaches back past key 0, no soft cap), one unmasked SDPA with each KV head's query
-    group stacked (no repeated K/V); otherwise masked SDPA over the keys the window reaches."""
+    the causal keys, no window reaches back past key 0): the native kernel where it is preferred and its KV-head
+    work items keep the threads busy, else one unmasked SDPA with each KV head's query group stacked (no repeated
+    K/V; not with a soft cap); otherwise masked SDPA over the keys the window reaches."""
     n, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group, (lo, hi), window = num_q_heads // num_kv_heads, run, mods.sliding_window
+    last_begin = 0 if window is None else first_pos + n - window  # the last row's window start
+    sees_all = lo <= first_pos + 1 and last_begin <= 0
+    if sees_all and torch.get_num_threads() <= 2 * num_kv_heads and cpu_prefill.preferred(query, key_cache):
+        return _native_run(query, key_cache, value_cache, table, hi, scale, mods.soft_cap, kv_scales)
     begin = 0 if window is None else max(0, first_pos - window + 1)
     k = _context(key_cache, table, begin, hi, query.dtype, kv_scales[0])  # [Hkv, L, D]
     v = _context(value_cache, table, begin, hi, query.dtype, kv_scales[1])
     q = query.transpose(0, 1)  # [Hq, n, D]
-    last_begin = 0 if window is None else first_pos + n - window  # the last row's window start
-    if lo <= first_pos + 1 and last_begin <= 0 and mods.soft_cap is None:
+    if sees_all and mods.soft_cap is None:
         o = F.scaled_dot_product_attention(q.reshape(1, num_kv_heads, group * n, head_dim), k[None], v[None],
                                            scale=scale)
         return o.reshape(num_q_heads, n, head_dim).transpose(0, 1)
@@ -283,3 +287,17 @@ def _run_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     mask = mods.visible_or_ranged(key_pos[None, :], q_pos, torch.tensor(lo), torch.tensor(hi))
     o = mods.attend(q[None], k.repeat_interleave(group, 0)[None], v.repeat_interleave(group, 0)[None], mask, scale)
     return o[0].transpose(0, 1)
+
+
+def _native_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, table: torch.Tensor,
+                hi: int, scale: float, soft_cap: float | None,
+                kv_scales: tuple[float, float]) -> torch.Tensor:  # query [n, Hq, D] -> [n, Hq, D]
+    """Rows that all see keys [0, hi), as one query at hi - 1 whose KV heads' groups hold every row: the native
+    prefill kernel stacks a group's rows, so each K/V tile is read once for all of them (one work item a KV head)."""
+    n, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    stacked = query.reshape(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, -1, head_dim)
+    out = cpu_prefill.prefill_attention(stacked, key_cache, value_cache, table, hi, scale, ScoreMods(None, soft_cap),
+                                        kv_scales=kv_scales)
+    return out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_q_heads, head_dim)
