@@ -60,8 +60,10 @@ MODELS: dict[str, dict[str, Any]] = {
         "text_sizes": _TEXT, "vision_sizes": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
                                               "num_attention_heads": 2}}},
     # Gemma 3: a 224-px SigLIP of 14-px patches pooled to 64 tokens an image (bidirectional within it), a GeGLU
-    # decoder whose sliding layers (five to a global one) look back 512 tokens.
-    "gemma3": {"maker": "make_tiny_gemma3_vl", "module": "pagedserve.testing_vlm", "placeholder": "<start_of_image>",
+    # decoder whose sliding layers (five to a global one) look back 512 tokens. Its placeholder is followed by a space:
+    # the processor's "\n\n" after an image merged with the prompt's "\n" is a token vLLM's placeholder search splits
+    # the other way round, so it finds no image there.
+    "gemma3": {"maker": "make_tiny_gemma3_vl", "module": "pagedserve.testing_vlm", "placeholder": "<start_of_image> ",
                "kwargs": {"mm_tokens_per_image": 64,
                           "text_sizes": {**_TEXT, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512,
                                          "sliding_window_pattern": 6},
@@ -338,7 +340,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="llava,qwen2_5_vl,idefics3", help=f"comma-separated of {sorted(MODELS)}")
+    parser.add_argument("--models", default="llava,qwen2_5_vl,idefics3,gemma3", help=f"comma-separated of {sorted(MODELS)}")
     parser.add_argument("--levels", default="1,8,32", help="comma-separated concurrencies")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=32)
