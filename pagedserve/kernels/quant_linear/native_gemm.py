@@ -7,8 +7,9 @@ carries that factoring (GGUF K-quants), else fp16 where that holds them exactly,
 An int8 weight whose integers span at most 16, 32 or 64 values (GGUF's Q3_K, Q5_0, Q5_1, Q5_K, Q6_K) is held as
 4-, 5- or 6-bit codes q - bias: int4 words of the low nibbles and, for 5 and 6 bits, a word per row of the high
 bits per chunk of 32 or 16 k (HIGH_BITS_AT), which the kernel unpacks in registers.
-One bf16 activation row against int8 tiles (GGUF Q8_0: a decode step's lm_head) runs exact integer dot products
-where the CPU has AVX-512 VNNI (`quant_gemv_i8.cpp`: the row's groups as int8 digits, int32 sums per digit).
+One bf16 activation row against int8 tiles or 5- and 6-bit codes (GGUF Q8_0, Q5_*, Q6_K: a decode step) runs exact
+integer dot products where the CPU has AVX-512 VNNI and VBMI (`quant_gemv_i8.cpp`: the row's groups as int8 digits,
+int32 sums per digit, the codes unpacked with vpmultishiftqb).
 """
 
 from __future__ import annotations

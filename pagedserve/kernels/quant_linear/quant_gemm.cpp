@@ -483,16 +483,17 @@ void run(const T* x_in, T* out, Problem p, int64_t m, int bits, int64_t bias, in
   }
 }
 
-bool int8_dots = true;  // one row of int8 tiles through quant_gemv_i8.cpp (pagedserve_quant_gemm_int8_dots)
+bool int8_dots = true;  // one row of 5-, 6- or 8-bit codes through quant_gemv_i8.cpp (pagedserve_quant_gemm_int8_dots)
 
 }  // namespace
 
 extern "C" int pagedserve_quant_gemv_i8(const void* x, void* out, const void* q, const void* scales,
                                         const void* offsets, const void* scale_super, const void* offset_super,
-                                        int64_t n, int64_t k, int64_t group_size, int64_t kind, int64_t per_super,
-                                        int64_t tile_begin, int64_t tile_end, int dtype);
+                                        int64_t n, int64_t k, int64_t group_size, int64_t bits, int64_t kind,
+                                        int64_t per_super, int64_t bias, int64_t tile_begin, int64_t tile_end,
+                                        int dtype);
 
-// Whether one activation row against int8 tiles takes the exact integer-dot path (on: 1; off: 0, for A/B).
+// Whether one activation row against 5-, 6- or 8-bit codes takes the exact integer-dot path (on: 1; off: 0, for A/B).
 extern "C" int pagedserve_quant_gemm_int8_dots(int on) {
   int8_dots = on != 0;
   return 0;
@@ -516,9 +517,9 @@ extern "C" int pagedserve_quant_gemm(const void* x, void* out, const void* q, co
       (kind == kStepsTimesHalf && (per_super < 1 || (k / group_size) % per_super != 0))) {
     return 4;
   }
-  if (m == 1 && bits == 8 && int8_dots &&
-      pagedserve_quant_gemv_i8(x, out, q, scales, offsets, scale_super, offset_super, n, k, group_size, kind,
-                               per_super, tile_begin, tile_end, dtype) == 0) {
+  if (m == 1 && bits != 4 && int8_dots &&
+      pagedserve_quant_gemv_i8(x, out, q, scales, offsets, scale_super, offset_super, n, k, group_size, bits, kind,
+                               per_super, bias, tile_begin, tile_end, dtype) == 0) {
     return 0;
   }
   Problem p{nullptr, nullptr, nullptr, static_cast<const uint8_t*>(q), nullptr, scales, offsets, kind,
