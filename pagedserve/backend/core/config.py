@@ -47,7 +47,7 @@ class CacheConfig:
     enable_prefix_caching: bool = param(True, "share the KV of identical full prompt blocks")
     kv_cache_dtype: str = param("auto", "KV cache dtype: auto (the model's) or 8-bit floats, twice the blocks in "
                                 "the same memory (fp8 = fp8_e4m3; per-layer k/v scales from the checkpoint, "
-                                "else 1.0)", KV_CACHE_DTYPES)
+                                "else 1.0 or computed: calculate_kv_scales)", KV_CACHE_DTYPES)
     calculate_kv_scales: bool = param(False, "with an 8-bit KV cache, per-layer k/v scales computed once at start "
                                       "from a calibration text (largest |K| / 200, |V| / 100, vLLM's rule) where "
                                       "the checkpoint has none, instead of 1.0")

@@ -3,7 +3,8 @@
 Names as vLLM reads them: llm-compressor / compressed-tensors `...layers.N.self_attn.k_scale` and `v_scale`
 (also under `self_attn.attn.`), ModelOpt's `self_attn.k_proj.k_scale` / `v_proj.v_scale`, the older
 `k_proj.output_scale` / `v_proj.output_scale`, and the deprecated `self_attn.kv_scale` (both K and V). A scale is
-per tensor: the cache holds K / k_scale (kernels.kv8). Layers without one keep 1.0.
+per tensor: the cache holds K / k_scale (kernels.kv8). Layers without one keep 1.0, or computed ones
+(calculate_kv_scales: kv_calibration.py, which keeps the checkpoint's).
 """
 
 from __future__ import annotations
