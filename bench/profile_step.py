@@ -137,18 +137,25 @@ def profile_decode(engine, timer: StepTimer, batch: int, context: int, steps: in
     from pagedserve.backend.core.sampling_params import SamplingParams
 
     rng = torch.Generator().manual_seed(batch * 100003 + context)
-    params = SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{batch}-{context}-{i}", None, params, prompt_token_ids=_prompt(rng, context, vocab))
+    # Enough tokens that no sequence finishes while the others prefill (each prefill step also decodes the
+    # sequences already prefilled): all B decode together in the timed steps, which `batch` in the row checks.
+    prefill_steps = batch * context // engine.scheduler.config.max_num_batched_tokens + batch + 2
+    params = SamplingParams(temperature=1.0, max_tokens=steps + 2 + prefill_steps, ignore_eos=True)
+    ids = [f"d{batch}-{context}-{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, None, params, prompt_token_ids=_prompt(rng, context, vocab))
     # Prefill (and the first sampled token) outside the timer.
     sched = engine.scheduler
     while len(sched.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         engine.step()
     engine.step()
+    decoding = len(sched.running)
     row = _time_steps(engine, timer, steps)
+    for request_id in ids:
+        engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"kind": "decode", "batch": batch, "context": context, **row}
+    return {"kind": "decode", "batch": batch, "decoding": decoding, "context": context, **row}
 
 
 def profile_prefill(engine, timer: StepTimer, chunk: int, context: int, vocab: int) -> dict:
@@ -205,8 +212,9 @@ def profile_workload(engine, timer: StepTimer, name: str, vocab: int, quick: boo
 
 
 def _shape(r: dict) -> str:
-    if r["kind"] == "decode":
-        return f"decode B={r['batch']} L={r['context']}"
+    if r["kind"] == "decode":  # B=16 (3): only 3 of the 16 were still decoding (the cache did not hold them all)
+        shown = "" if r.get("decoding", r["batch"]) == r["batch"] else f" ({r['decoding']})"
+        return f"decode B={r['batch']}{shown} L={r['context']}"
     if r["kind"] == "prefill":
         return f"prefill C={r['chunk']} L={r['context']}"
     return f"{r['workload']} {r['tok_s']} tok/s"
