@@ -4,9 +4,9 @@
 // so X is exact) in balanced base-256 digits, one int8 row per digit, and each digit's dot product with the weight
 // is an exact int32 sum (vpdpbusd on unsigned codes: int8 flipped to q + 128, narrow codes as they are, q - bias;
 // the bias times the digits' sum starts each sum). The digits' sums are then joined in fp32 (a few roundings per group,
-// where the fp32 path rounds once per k), times 2^lo and the group's scale. bf16 activations only (see kMaxLimbs);
-// a call whose activations need more than kMaxLimbs digits in some group (a spread of exponents the digits cannot
-// hold), or a CPU without VNNI and VBMI, returns 1 and quant_gemm.cpp runs its own path.
+// where the fp32 path rounds once per k), times 2^lo and the group's scale. fp32 activations only against narrow
+// codes (see kMaxLimbs); a call whose activations need more than kMaxLimbs digits in some group (a spread of
+// exponents the digits cannot hold), or a CPU without VNNI and VBMI, returns 1 and quant_gemm.cpp runs its own path.
 #include <cmath>
 #include <climits>
 #include <cstdint>
@@ -24,9 +24,10 @@
 namespace {
 
 constexpr int kTile = 16;
-// Digits per group: each costs one vpdpbusd per 4 k, where the fp32 path spends three instructions per k on 16 rows.
-// bf16 activations need 2 or 3 (8 significant bits over a group's spread of exponents); fp32 ones need 5 or 6,
-// where it gained nothing measurable, so this path serves bf16 activations only.
+// Digits per group: each costs one vpdpbusd per 4 k, where the fp32 path spends three instructions per k on 16 rows
+// of int8 (more on narrow codes). bf16 activations need 2 or 3 (8 significant bits over a group's spread of
+// exponents); fp32 ones need 5 or 6, which gained nothing measurable against int8 tiles, so fp32 activations take
+// this path against narrow codes only.
 constexpr int kMaxLimbs = 6;
 
 // The activation row as digits: limb-major int8 [limbs][K], per group the int32 that starts each limb's sum
@@ -292,8 +293,8 @@ int run(const T* x_in, T* out, const Weights& w, int bits, int64_t bias, int64_t
 #endif
 
 // One row x [K] against int8 tiles or 5- or 6-bit codes (quant_gemm.cpp's arguments); 0 when done, 1 when this
-// path does not serve the call (no VNNI/VBMI build, fp32 activations, 4-bit codes, groups too large for int32 sums,
-// activations whose digits do not fit), and the caller then computes it.
+// path does not serve the call (no VNNI/VBMI build, fp32 activations against int8, 4-bit codes, groups too large
+// for int32 sums, activations whose digits do not fit), and the caller then computes it.
 extern "C" int pagedserve_quant_gemv_i8(const void* x, void* out, const void* q, const void* scales,
                                         const void* offsets, const void* scale_super, const void* offset_super,
                                         int64_t n, int64_t k, int64_t group_size, int64_t bits, int64_t kind,
@@ -302,8 +303,9 @@ extern "C" int pagedserve_quant_gemv_i8(const void* x, void* out, const void* q,
 #if defined(PAGEDSERVE_GEMV_I8)
   // int32 sums: |(q + 128) d| <= 255 * 128 per k, and the start at most 128 * 128 per k.
   const int64_t chunk = bits == 8 ? 4 : bits == 5 ? 32 : 16;
-  if (dtype != pagedserve::kBFloat16 || (bits != 8 && bits != 5 && bits != 6) || group_size % chunk != 0 ||
-      group_size > 16384 || kind < 0 || kind > 2) {
+  // fp32 activations (5-6 digits) only against narrow codes: their fp32 path costs two lookups and an add per k
+  if ((bits == 8 && dtype != pagedserve::kBFloat16) || (bits != 8 && bits != 5 && bits != 6) ||
+      group_size % chunk != 0 || group_size > 16384 || kind < 0 || kind > 2) {
     return 1;
   }
   const Weights w{static_cast<const uint8_t*>(q), scales, offsets, static_cast<const uint16_t*>(scale_super),
