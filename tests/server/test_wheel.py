@@ -92,6 +92,13 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     return _fresh_venv(work, _build_wheel(work))
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the module: the served wheel loads the kernels the build test made from the same installed
+    sources (the same key) instead of compiling them a second time."""
+    return tmp_path_factory.mktemp("wheel-cache")
+
+
 def _repository_files(suffixes: set[str]) -> set[str]:
     return {str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*")
             if path.is_file() and path.suffix in suffixes and "__pycache__" not in path.parts}
@@ -111,15 +118,15 @@ def test_the_installed_package_is_the_wheel_with_the_model_repository_and_every_
     assert native <= present, sorted(native - present)
 
 
-def test_the_native_kernels_build_from_the_installed_sources(installed, tmp_path):
+def test_the_native_kernels_build_from_the_installed_sources(installed, kernel_cache):
     code = ("import json, logging; logging.basicConfig(); from pagedserve.kernels import native; "
             "print(json.dumps({'loaded': native.load() is not None, "
             "'sources': [str(s) for s in (*native.SOURCES, *native.HEADERS)]}))")
-    built = json.loads(installed.run(code, PAGEDSERVE_CACHE=str(tmp_path), PAGEDSERVE_CPU_KERNELS="1"))
+    built = json.loads(installed.run(code, PAGEDSERVE_CACHE=str(kernel_cache), PAGEDSERVE_CPU_KERNELS="1"))
     assert built["loaded"]
     sources = {str(Path(source).relative_to(installed.site_packages)) for source in built["sources"]}
     assert sources == _repository_files({".cpp", ".h"})
-    assert len(list((tmp_path / "kernels").glob("pagedserve_cpu-*.so"))) == 1
+    assert len(list((kernel_cache / "kernels").glob("pagedserve_cpu-*.so"))) == 1
 
 
 def _ready(url: str) -> bool:
@@ -130,7 +137,7 @@ def _ready(url: str) -> bool:
         return False
 
 
-def test_pagedserve_serve_from_the_wheel_answers_with_text(installed, tmp_path):
+def test_pagedserve_serve_from_the_wheel_answers_with_text(installed, kernel_cache, tmp_path):
     model_path = make_tiny_model(tmp_path / "tiny", "llama")
     http_port, grpc_port, metrics_port = free_loopback_ports(3)
     running = RunningTriton(http_url=f"127.0.0.1:{http_port}", grpc_url=f"127.0.0.1:{grpc_port}",
@@ -138,7 +145,7 @@ def test_pagedserve_serve_from_the_wheel_answers_with_text(installed, tmp_path):
     command = [str(installed.python.parent / "pagedserve"), "serve", f"--model={model_path}", "--no-openai",
                f"--http-port={http_port}", f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}",
                "--param", "max_model_len=256", "--param", "num_blocks=64"]
-    env = {**installed.env, "TMPDIR": str(tmp_path), "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    env = {**installed.env, "TMPDIR": str(tmp_path), "PAGEDSERVE_CACHE": str(kernel_cache)}
     launcher = subprocess.Popen(command, cwd=installed.cwd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
