@@ -177,7 +177,8 @@ def test_one_bf16_row_against_int8_tiles_is_the_exact_product_rounded_once(group
 @pytest.mark.skipif(not native_gemm.int8_dots_built(), reason="no AVX-512 VNNI / VBMI")
 @pytest.mark.parametrize(("group_size", "low", "bits", "dtype"), [
     (32, -128, 8, torch.bfloat16), (None, -128, 8, torch.bfloat16), (32, -16, 5, torch.bfloat16),
-    (32, 3, 5, torch.float32), (32, -32, 6, torch.bfloat16), (16, -40, 6, torch.float32), (None, -32, 6, torch.float32)])
+    (32, 3, 5, torch.float32), (32, -32, 6, torch.bfloat16), (16, -40, 6, torch.float32), (None, -32, 6, torch.float32),
+    (32, -8, 4, torch.bfloat16), (16, 0, 4, torch.bfloat16)])
 def test_integer_dots_sum_a_group_exactly_where_fp32_sums_lose_it(group_size, low, bits, dtype):
     # 2^24 + 1 - 2^24: summed in fp32 the 1 is lost; the integer digits keep it. The other k's integers span
     # 2^bits values from `low` (so the weight is held as codes of that many bits, q - low) and meet zeros.
@@ -185,7 +186,7 @@ def test_integer_dots_sum_a_group_exactly_where_fp32_sums_lose_it(group_size, lo
     q[:, 3] = low + 2**bits - 1
     q[:, :3] = torch.tensor([1, 1, 1]) if low <= 1 < low + 2**bits else torch.tensor([low, low, low])
     w = ql.from_int_values(q, torch.ones(16, 64 // (group_size or 64)).half(), None, 8, group_size or 64)
-    assert native_gemm.pack(w).bits == bits
+    assert native_gemm.pack(w).bits == bits and native_gemm.pack(w).bias == (0 if bits == 8 else low)
     x = torch.zeros(1, 64, dtype=dtype)
     x[0, :3] = torch.tensor([2.0**24, 1.0, -(2.0**24)])
     assert torch.equal(cpu.quant_linear(x, w), q[:, 1].to(dtype).view(1, 16))

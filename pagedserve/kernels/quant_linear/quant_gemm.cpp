@@ -517,7 +517,7 @@ extern "C" int pagedserve_quant_gemm(const void* x, void* out, const void* q, co
       (kind == kStepsTimesHalf && (per_super < 1 || (k / group_size) % per_super != 0))) {
     return 4;
   }
-  if (m == 1 && bits != 4 && int8_dots &&
+  if (m == 1 && int8_dots &&
       pagedserve_quant_gemv_i8(x, out, q, scales, offsets, scale_super, offset_super, n, k, group_size, bits, kind,
                                per_super, bias, tile_begin, tile_end, dtype) == 0) {
     return 0;

@@ -1,11 +1,11 @@
-// One activation row against int8 weight tiles (quant_gemm.cpp's layout: [tile][K][kTile], GGUF Q8_0 and int8 per
-// channel) or 5- and 6-bit codes (its narrow chunks: GGUF Q5_0, Q5_1, Q5_K, Q6_K) with AVX-512 VNNI integer dot
+// One activation row against quant_gemm.cpp's tiles (int8 [tile][K][kTile]: GGUF Q8_0, int8 per channel; int4
+// words: Q4_0, Q4_1, Q4_K, Q3_K; 5- and 6-bit codes: Q5_0, Q5_1, Q5_K, Q6_K) with AVX-512 VNNI integer dot
 // products, exactly: each group's activations are written as integers X = x / 2^lo (lo: the group's lowest set bit,
 // so X is exact) in balanced base-256 digits, one int8 row per digit, and each digit's dot product with the weight
 // is an exact int32 sum (vpdpbusd on unsigned codes: int8 flipped to q + 128, narrow codes as they are, q - bias;
 // the bias times the digits' sum starts each sum). The digits' sums are then joined in fp32 (a few roundings per group,
-// where the fp32 path rounds once per k), times 2^lo and the group's scale. fp32 activations only against narrow
-// codes (see kMaxLimbs); a call whose activations need more than kMaxLimbs digits in some group (a spread of
+// where the fp32 path rounds once per k), times 2^lo and the group's scale. fp32 activations only against 5- and
+// 6-bit codes (see kMaxLimbs); a call whose activations need more than kMaxLimbs digits in some group (a spread of
 // exponents the digits cannot hold), or a CPU without VNNI and VBMI, returns 1 and quant_gemm.cpp runs its own path.
 #include <cmath>
 #include <climits>
@@ -25,9 +25,9 @@ namespace {
 
 constexpr int kTile = 16;
 // Digits per group: each costs one vpdpbusd per 4 k, where the fp32 path spends three instructions per k on 16 rows
-// of int8 (more on narrow codes). bf16 activations need 2 or 3 (8 significant bits over a group's spread of
-// exponents); fp32 ones need 5 or 6, which gained nothing measurable against int8 tiles, so fp32 activations take
-// this path against narrow codes only.
+// of int8 (more on 5- and 6-bit codes). bf16 activations need 2 or 3 (8 significant bits over a group's spread of
+// exponents); fp32 ones need 5 or 6, which gained nothing measurable against int8 tiles or int4 words, so fp32
+// activations take this path against 5- and 6-bit codes only.
 constexpr int kMaxLimbs = 6;
 
 // The activation row as digits: limb-major int8 [limbs][K], per group the int32 that starts each limb's sum
@@ -219,6 +219,22 @@ inline void group_sums_narrow(const uint8_t* q, const int8_t* d, int64_t k, int6
   }
 }
 
+// One group's digit sums over 4-bit codes: each int4 word's two quads, its low nibbles picked out in registers.
+template <int L>
+inline void group_sums4(const uint8_t* q, const int8_t* d, int64_t k, int64_t begin, int64_t end,
+                        const NarrowControls& c, __m512i (&sums)[L][2]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  for (int64_t k0 = begin; k0 < end; k0 += 8) {
+    const __m512i words = _mm512_loadu_si512(q + k0 / 8 * kTile * 4);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i codes = _mm512_and_si512(_mm512_multishift_epi64_epi8(c.low[half], words), nibble);
+      for (int j = 0; j < L; ++j) {
+        sums[j][half] = _mm512_dpbusd_epi32(sums[j][half], codes, digit4(d + j * k + k0 + 4 * half));
+      }
+    }
+  }
+}
+
 // One tile's 16 outputs: per group, L exact int32 digit sums per row (two chains each), joined in fp32.
 template <typename T, int BITS, int L>
 void tile_gemv(const Weights& w, const Digits& dg, const NarrowControls& c, const float* xsum, int64_t tile,
@@ -236,6 +252,8 @@ void tile_gemv(const Weights& w, const Digits& dg, const NarrowControls& c, cons
     const int64_t begin = g * w.group_size, end = begin + w.group_size;
     if constexpr (BITS == 8) {
       group_sums8<L>(q, dg.d.data(), w.k, begin, end, sums);
+    } else if constexpr (BITS == 4) {
+      group_sums4<L>(q, dg.d.data(), w.k, begin, end, c, sums);
     } else {
       group_sums_narrow<BITS - 4, L>(q, dg.d.data(), w.k, begin, end, c, sums);
     }
@@ -284,6 +302,7 @@ int run(const T* x_in, T* out, const Weights& w, int bits, int64_t bias, int64_t
   switch (bits) {
     case 8: tiles<T, 8>(w, dg, xsum.data(), tile_begin, tile_end, out); break;
     case 6: tiles<T, 6>(w, dg, xsum.data(), tile_begin, tile_end, out); break;
+    case 4: tiles<T, 4>(w, dg, xsum.data(), tile_begin, tile_end, out); break;
     default: tiles<T, 5>(w, dg, xsum.data(), tile_begin, tile_end, out); break;
   }
   return 0;
@@ -292,8 +311,8 @@ int run(const T* x_in, T* out, const Weights& w, int bits, int64_t bias, int64_t
 }  // namespace
 #endif
 
-// One row x [K] against int8 tiles or 5- or 6-bit codes (quant_gemm.cpp's arguments); 0 when done, 1 when this
-// path does not serve the call (no VNNI/VBMI build, fp32 activations against int8, 4-bit codes, groups too large
+// One row x [K] against int8 tiles or 4-, 5- or 6-bit codes (quant_gemm.cpp's arguments); 0 when done, 1 when this
+// path does not serve the call (no VNNI/VBMI build, fp32 activations against int8 or 4-bit codes, groups too large
 // for int32 sums, activations whose digits do not fit), and the caller then computes it.
 extern "C" int pagedserve_quant_gemv_i8(const void* x, void* out, const void* q, const void* scales,
                                         const void* offsets, const void* scale_super, const void* offset_super,
@@ -302,9 +321,9 @@ extern "C" int pagedserve_quant_gemv_i8(const void* x, void* out, const void* q,
                                         int dtype) {
 #if defined(PAGEDSERVE_GEMV_I8)
   // int32 sums: |(q + 128) d| <= 255 * 128 per k, and the start at most 128 * 128 per k.
-  const int64_t chunk = bits == 8 ? 4 : bits == 5 ? 32 : 16;
-  // fp32 activations (5-6 digits) only against narrow codes: their fp32 path costs two lookups and an add per k
-  if ((bits == 8 && dtype != pagedserve::kBFloat16) || (bits != 8 && bits != 5 && bits != 6) ||
+  const int64_t chunk = bits == 8 ? 4 : bits == 4 ? 8 : bits == 5 ? 32 : 16;
+  // fp32 activations (5-6 digits) only against 5- and 6-bit codes: their fp32 path costs two lookups and an add per k
+  if ((dtype != pagedserve::kBFloat16 && (bits == 4 || bits == 8)) || bits < 4 || bits > 8 || bits == 7 ||
       group_size % chunk != 0 || group_size > 16384 || kind < 0 || kind > 2) {
     return 1;
   }
