@@ -325,38 +325,53 @@ struct Avx512Ops {
     }
   }
 
-  // acc rows of N query heads (from qh) += their weights times a tile's fp8 values of KV head h, one 16-column
-  // chunk: each value vector is widened once in registers for the N heads.
-  template <int N, typename C, int HEAD_DIM>
-  static void fp8_values_chunk(const Tile<C>& tile, const float* weights, float* acc, int64_t h, int64_t qh, int c) {
-    const __mmask16 mask = mask16(HEAD_DIM - 16 * c);
-    __m512 sum[N];
+  // acc rows of N query heads (from qh) += their weights times a tile's values of KV head h, columns
+  // [16 * c0, 16 * (c0 + K)): each value vector is loaded (and widened) once for the N heads, and the N * K
+  // sums stay in registers across the tile's keys (the same fma order as one head at a time).
+  template <int N, int K, typename C, int HEAD_DIM>
+  static void values_chunks(const Tile<C>& tile, const float* weights, float* acc, int64_t h, int64_t qh, int c0) {
+    __m512 sum[N][K];
 #pragma GCC unroll 4
-    for (int i = 0; i < N; ++i) sum[i] = _mm512_maskz_loadu_ps(mask, acc + (qh + i) * HEAD_DIM + 16 * c);
+    for (int i = 0; i < N; ++i) {
+#pragma GCC unroll 4
+      for (int c = 0; c < K; ++c) sum[i][c] = _mm512_loadu_ps(acc + (qh + i) * HEAD_DIM + 16 * (c0 + c));
+    }
 #pragma GCC unroll 16
     for (int j = 0; j < kTile; ++j) {
-      const __m512 x = load16(tile.values[j] + h * HEAD_DIM + 16 * c, mask);
+      __m512 x[K];
 #pragma GCC unroll 4
-      for (int i = 0; i < N; ++i) sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(weights[(qh + i) * kTile + j]), x, sum[i]);
+      for (int c = 0; c < K; ++c) x[c] = load16(tile.values[j] + h * HEAD_DIM + 16 * (c0 + c), 0xffff);
+#pragma GCC unroll 4
+      for (int i = 0; i < N; ++i) {
+        const __m512 w = _mm512_set1_ps(weights[(qh + i) * kTile + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < K; ++c) sum[i][c] = _mm512_fmadd_ps(w, x[c], sum[i][c]);
+      }
     }
 #pragma GCC unroll 4
-    for (int i = 0; i < N; ++i) _mm512_mask_storeu_ps(acc + (qh + i) * HEAD_DIM + 16 * c, mask, sum[i]);
+    for (int i = 0; i < N; ++i) {
+#pragma GCC unroll 4
+      for (int c = 0; c < K; ++c) _mm512_storeu_ps(acc + (qh + i) * HEAD_DIM + 16 * (c0 + c), sum[i][c]);
+    }
   }
 
+  // P·V for a head size that is a multiple of 16: up to 4 query heads of a group times up to 4 chunks a pass.
   template <typename C, int HEAD_DIM>
-  static void fp8_values(const Problem& p, const Tile<C>& tile, const float* weights, float* acc,
-                         Prefetcher<C>& ahead) {
+  static void group_values(const Problem& p, const Tile<C>& tile, const float* weights, float* acc,
+                           Prefetcher<C>& ahead) {
+    constexpr int kChunks = HEAD_DIM / 16;  // in passes of the largest divisor of kChunks up to 4
+    constexpr int kPass = kChunks % 4 == 0 ? 4 : kChunks % 3 == 0 ? 3 : kChunks % 2 == 0 ? 2 : 1;
     const int64_t group = p.num_q_heads / p.num_kv_heads;
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
       ahead.issue(static_cast<int>(ahead.per_head * group));
-      for (int c = 0; c * 16 < HEAD_DIM; ++c) {
-        for (int64_t g = 0; g < group; g += 4) {  // up to four accumulators a pass
+      for (int c = 0; c < kChunks; c += kPass) {
+        for (int64_t g = 0; g < group; g += 4) {
           const int64_t qh = h * group + g;
           switch (std::min<int64_t>(4, group - g)) {
-            case 1: fp8_values_chunk<1, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
-            case 2: fp8_values_chunk<2, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
-            case 3: fp8_values_chunk<3, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
-            default: fp8_values_chunk<4, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+            case 1: values_chunks<1, kPass, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+            case 2: values_chunks<2, kPass, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+            case 3: values_chunks<3, kPass, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
+            default: values_chunks<4, kPass, C, HEAD_DIM>(tile, weights, acc, h, qh, c); break;
           }
         }
       }
@@ -424,8 +439,8 @@ struct Avx512Ops {
   template <typename T, int HEAD_DIM>
   static void values(const Problem& p, Query& q, const Tile<T>& tile, const float* weights, float* acc,
                      Prefetcher<T>& ahead) {
-    if constexpr (kIsFp8<T> && HEAD_DIM > 0) {
-      return fp8_values<T, HEAD_DIM>(p, tile, weights, acc, ahead);
+    if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+      return group_values<T, HEAD_DIM>(p, tile, weights, acc, ahead);
     }
     const int64_t dim = HEAD_DIM > 0 ? HEAD_DIM : p.head_dim, group = p.num_q_heads / p.num_kv_heads;
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
