@@ -102,22 +102,41 @@ constexpr int kAhead = 2;  // tiles between the one computed and the one prefetc
 template <typename T>
 struct Prefetcher {
   Tile<T> tile;
-  int64_t lines_per_row = 0;
-  int row = 0, line = 0, rows = 0;  // cursor over the K rows, then the V rows
-  int per_head = 0;                // lines to ask for at each of the 2 * num_q_heads calls a tile makes
+  // The tile's K rows, then its V rows, as byte ranges (rows next to each other in the cache merged): a cursor
+  // walks them a line at a time, with no per-line row lookups.
+  const char* begins[2 * kTile];
+  const char* ends[2 * kTile];
+  const char* cur = nullptr;
+  int segment = 0, segments = 0;
+  int per_head = 0;  // lines to ask for at each of the 2 * num_q_heads calls a tile makes
+
+  void add_rows(const T* const* rows, int count, int64_t row_bytes) {
+    for (int j = 0; j < count; ++j) {
+      const char* begin = reinterpret_cast<const char*>(rows[j]);
+      if (segments > 0 && ends[segments - 1] == begin) {
+        ends[segments - 1] = begin + row_bytes;
+      } else {
+        begins[segments] = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63});
+        ends[segments++] = begin + row_bytes;
+      }
+    }
+  }
 
   void start(const Problem& p, bool active) {
-    lines_per_row = (p.num_kv_heads * p.head_dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-    row = line = 0;
-    rows = active ? 2 * tile.count : 0;
-    per_head = static_cast<int>((rows * lines_per_row + 2 * p.num_q_heads - 1) / (2 * p.num_q_heads));
+    const int64_t row_bytes = p.num_kv_heads * p.head_dim * static_cast<int64_t>(sizeof(T));
+    segments = segment = 0;
+    if (active) add_rows(tile.keys, tile.count, row_bytes), add_rows(tile.values, tile.count, row_bytes);
+    int64_t lines = 0;
+    for (int i = 0; i < segments; ++i) lines += (ends[i] - begins[i] + 63) / 64;
+    cur = segments > 0 ? begins[0] : nullptr;
+    per_head = static_cast<int>((lines + 2 * p.num_q_heads - 1) / (2 * p.num_q_heads));
   }
 
   void issue(int lines) {
-    for (int n = 0; n < lines && row < rows; ++n) {
-      const T* base = row < tile.count ? tile.keys[row] : tile.values[row - tile.count];
-      __builtin_prefetch(reinterpret_cast<const char*>(base) + line * 64, 0, 2);  // to L2 (T1): beat T0 here
-      if (++line == lines_per_row) line = 0, ++row;
+    for (int n = 0; n < lines && segment < segments; ++n) {
+      __builtin_prefetch(cur, 0, 2);  // to L2 (T1): beat T0 here
+      cur += 64;
+      if (cur >= ends[segment] && ++segment < segments) cur = begins[segment];
     }
   }
 };
