@@ -37,6 +37,14 @@ def qkv_sizes(cfg: ModelArchConfig) -> list[int]:
     return [cfg.num_heads * cfg.head_dim, kv, kv]
 
 
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """`name` with the first of `renames`' (old prefix, new prefix) pairs it starts with replaced; as it is if none."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def gate_up_sizes(cfg: ModelArchConfig) -> list[int]:
     """Rows of gate and up in a fused gate_up_proj."""
     return [cfg.intermediate_size, cfg.intermediate_size]

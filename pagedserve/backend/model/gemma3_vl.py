@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
-from pagedserve.backend.model.family import ModelFamily, Placement
+from pagedserve.backend.model.family import ModelFamily, Placement, renamed
 from pagedserve.backend.model.gemma import Gemma3ArchConfig, Gemma3ForCausalLM
 from pagedserve.backend.model.vision.siglip import SiglipVisionTower
 
@@ -125,11 +125,7 @@ class Gemma3VLFamily(ModelFamily):
     names; the tower's pooling head (vision_use_head) is not used."""
 
     def placement(self, name: str, cfg: ModelArchConfig) -> Placement | None:
-        name = name.removeprefix("model.")
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
+        name = renamed(name.removeprefix("model."), _PREFIXES)
         if name.startswith("vision_tower.head."):
             return None
         if name.startswith(("vision_tower.", "multi_modal_projector.")):

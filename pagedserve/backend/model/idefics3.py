@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
-from pagedserve.backend.model.family import ModelFamily, Placement
+from pagedserve.backend.model.family import ModelFamily, Placement, renamed
 from pagedserve.backend.model.llama import LlamaForCausalLM
 from pagedserve.backend.model.vision.siglip import SiglipVisionTower
 
@@ -112,10 +112,7 @@ class Idefics3Family(ModelFamily):
     names."""
 
     def placement(self, name: str, cfg: ModelArchConfig) -> Placement | None:
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
+        name = renamed(name, _RENAMES)
         if _VISION.match(name):
             return Placement(name)
         return super().placement(name, cfg)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.backend.model.config import ModelArchConfig, UnsupportedModelError
-from pagedserve.backend.model.family import ModelFamily, Placement
+from pagedserve.backend.model.family import ModelFamily, Placement, renamed
 from pagedserve.backend.model.llama import LlamaForCausalLM
 from pagedserve.backend.model.vision import vision_tower_for
 from pagedserve.backend.model.vision.encoder import activation
@@ -117,11 +117,7 @@ class LlavaFamily(ModelFamily):
     keep their names. Tower layers past the deepest feature layer, its post-norm and head are not loaded."""
 
     def placement(self, name: str, cfg: ModelArchConfig) -> Placement | None:
-        name = name.removeprefix("model.")
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
+        name = renamed(name.removeprefix("model."), _PREFIXES)
         if not name.startswith(("vision_tower.", "multi_modal_projector.")):
             return super().placement(name, cfg)
         layer = _VISION_LAYER.match(name)
